@@ -1,0 +1,40 @@
+# pagedllm developer entry points. Every target creates .venv on first use.
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+DEMO    ?= .demo-model
+HOST    ?= 127.0.0.1
+PORT    ?= 8000
+
+.PHONY: venv test generate serve demo-model lint clean
+
+# torch==2.13.0 goes in first (a local CPU wheel here); installing the project afterwards
+# then finds torch satisfied and never pulls a CUDA build.
+$(VENV)/.installed: pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e '.[dev]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+test: venv
+	$(VPY) -m pytest -q -m "not gpu" tests
+
+$(DEMO)/config.json: | venv
+	$(VENV)/bin/pagedllm make-demo-model $(DEMO)
+
+demo-model: $(DEMO)/config.json
+
+generate: demo-model
+	$(VENV)/bin/pagedllm generate --model $(DEMO) --prompt "The capital of France is" --max-tokens 32
+
+serve: demo-model
+	$(VENV)/bin/pagedllm serve $(DEMO) --host $(HOST) --port $(PORT)
+
+lint: venv
+	$(VENV)/bin/ruff check pagedllm tests
+
+clean:
+	rm -rf $(VENV) $(DEMO)

@@ -1,0 +1,66 @@
+"""The attention-backend seam: the only place device-specific attention code plugs in.
+
+The model runner builds one `CommonAttentionMetadata` per step (the flattened batch described
+by offsets, lengths, block tables and slot mappings) and hands it to the backend's
+`build_metadata`, once; every attention layer then calls `backend.forward` with its own
+per-layer KV-cache tensor and the built metadata.
+
+Flattened batch: the new tokens of all scheduled requests are concatenated, request i owning
+rows `query_start_loc[i]:query_start_loc[i+1]`. Request i's context after this step holds
+`seq_lens[i]` tokens; its new tokens are the last `query_len_i` of them (so positions run
+`seq_lens[i] - query_len_i ... seq_lens[i] - 1`) and attend causally to everything before.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class CommonAttentionMetadata:
+    num_reqs: int
+    num_actual_tokens: int  # rows of q/k/v that are real (inputs may be padded past this)
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, on the device
+    query_start_loc_cpu: list[int]  # same, as a host list
+    seq_lens: torch.Tensor  # [num_reqs] int32, on the device
+    seq_lens_cpu: list[int]
+    block_table: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, on the device
+    slot_mapping: torch.Tensor  # [num_actual_tokens] int64: block_id * block_size + offset
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+
+
+class AttentionBackend(ABC):
+    """Stateless per step except for what `build_metadata` returns."""
+
+    name: str = "abstract"
+
+    @staticmethod
+    @abstractmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        """Shape of one layer's KV-cache tensor (keys and values together)."""
+
+    @abstractmethod
+    def build_metadata(self, common: CommonAttentionMetadata) -> Any:
+        """Precompute whatever all layers of this step share (masks, index tensors)."""
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # get_kv_cache_shape(...)
+        metadata: Any,  # what build_metadata returned
+        scale: float,
+    ) -> torch.Tensor:
+        """Write key/value into kv_cache at metadata's slot mapping, then return the attention
+        output [num_tokens, num_heads, head_size] of each new token over its request's
+        cached context plus the new tokens up to itself."""

@@ -1,0 +1,212 @@
+"""Engine configuration: one `EngineConfig` built once from `EngineArgs`, handed down whole.
+
+Each sub-config owns one concern and validates its own fields; values derived from the
+checkpoint (dtype, max_model_len, EOS ids) are resolved here, once, so no layer below has to
+re-read `config.json`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_dtype: Any, device: str) -> torch.dtype:
+    """`auto` keeps the checkpoint's 16-bit dtype; fp32 checkpoints run in bf16 on the CPU
+    (its bf16 GEMMs are several times faster) and in the checkpoint dtype elsewhere."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(
+                f"dtype={dtype!r} is not supported; choose one of "
+                f"'auto', 'bfloat16', 'float16', 'float32'"
+            )
+        return _DTYPES[dtype]
+    if isinstance(hf_dtype, str):
+        hf_dtype = _DTYPES.get(hf_dtype.removeprefix("torch."), None)
+    if hf_dtype in (torch.bfloat16, torch.float16):
+        return hf_dtype
+    return torch.bfloat16 if device == "cpu" else (hf_dtype or torch.float32)
+
+
+@dataclass
+class ModelConfig:
+    """The checkpoint and how to run it."""
+
+    model: str
+    tokenizer: str
+    hf_config: Any  # transformers.PretrainedConfig
+    dtype: torch.dtype
+    max_model_len: int
+    seed: int = 0
+    served_model_name: str | None = None
+    trust_remote_code: bool = False
+    # From generation_config.json: default EOS ids and sampling defaults.
+    eos_token_ids: list[int] = field(default_factory=list)
+    generation_config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def architecture(self) -> str:
+        archs = getattr(self.hf_config, "architectures", None) or []
+        return archs[0] if archs else ""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.hf_config.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.hf_config.num_attention_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return getattr(self.hf_config, "num_key_value_heads", None) or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        hd = getattr(self.hf_config, "head_dim", None)
+        return hd or self.hidden_size // self.num_attention_heads
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache. `num_blocks` is filled in once the worker has sized the cache."""
+
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory: int | None = None  # bytes (CPU); None -> default below
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    num_blocks: int | None = None
+
+    DEFAULT_CPU_KV_CACHE_BYTES = 4 << 30
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size % 8 != 0 and self.block_size not in (1, 2, 4):
+            raise ValueError(f"block_size={self.block_size} must be a positive multiple of 8")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory={self.kv_cache_memory} must be positive (bytes)")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"
+            )
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override <= 0:
+            raise ValueError(
+                f"num_gpu_blocks_override={self.num_gpu_blocks_override} must be positive"
+            )
+
+
+@dataclass
+class SchedulerConfig:
+    """Batch limits and policy."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # 0: no per-request cap below the token budget
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy={self.policy!r} must be 'fcfs' or 'priority'")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be positive")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must be positive"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
+                f"max_model_len={self.max_model_len}; with chunked prefill disabled a whole "
+                "prompt must fit in one step"
+            )
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold={self.long_prefill_token_threshold} must be >= 0"
+            )
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    # Filled in per worker process.
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass
+class DeviceConfig:
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device={self.device!r} must be 'auto', 'cpu' or 'cuda'")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was requested but no CUDA device is available")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs, built once by `EngineArgs.create_engine_config()`."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    device_config: DeviceConfig
+    enforce_eager: bool = False
+    # Later features hang their own sub-config here (speculative, structured outputs, kv transfer).
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    val = os.environ.get(name)
+    if val is None:
+        return default
+    return val.strip().lower() in ("1", "true", "yes", "on")

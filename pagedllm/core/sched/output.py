@@ -1,0 +1,63 @@
+"""What the Scheduler tells the model runner each step: plain, picklable data, no tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen, or one resumed after preemption (the runner dropped
+    its state then). `output_token_ids` is non-empty only for a resumed request."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the runner already holds. Index i of every list describes req_ids[i]."""
+
+    req_ids: list[str] = field(default_factory=list)
+    # Blocks appended to the request's block table this step (may be empty).
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work.
+
+    `num_scheduled_tokens[req_id]` tokens of each scheduled request run through the model,
+    starting at the request's `num_computed_tokens`. A request samples this step when those
+    tokens reach the end of its known tokens (a partial prefill chunk does not sample).
+    """
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Draft tokens to verify, per request (speculative decoding); they are part of
+    # num_scheduled_tokens.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Requests the runner must forget: finished or aborted since the last step, or preempted.
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: set[str] = field(default_factory=set)
+    # Feature hooks (structured-output bitmasks, KV connector metadata) ride here.
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    grammar_bitmask: object | None = None
+    kv_connector_metadata: object | None = None
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0

@@ -1,0 +1,93 @@
+"""Messages that cross the front-end / EngineCore boundary (msgspec structs, msgpack on the wire)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+import msgspec
+
+from pagedllm.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request finished; `str()` gives the OpenAI API's word."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+
+    def __str__(self) -> str:
+        return ("stop", "length", "abort")[self.value]
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    eos_token_id: int | None = None
+    # Opaque to the core; only the front end reads these back.
+    data_parallel_rank: int | None = None
+
+
+class EngineCoreEventType(enum.IntEnum):
+    QUEUED = 1
+    SCHEDULED = 2
+    PREEMPTED = 3
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+    request_id: str
+    new_token_ids: list[int]
+    # Per new token: (token ids, logprobs, rank of the sampled token); the first entry of each
+    # list is the sampled token, the rest the top-`logprobs` alternatives.
+    new_logprobs: list[tuple[list[int], list[float], int]] | None = None
+    # Per prompt position (first has none): same layout as new_logprobs.
+    new_prompt_logprobs: list[tuple[list[int], list[float], int] | None] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    # (event type, monotonic timestamp) pairs for the metrics: queued, first scheduled, ...
+    events: list[tuple[int, float]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, omit_defaults=True):  # type: ignore[call-arg]
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0  # tokens looked up since the last stats
+    prefix_cache_hits: int = 0  # tokens found since the last stats
+    num_preemptions: int = 0  # since the last stats
+    num_blocks_total: int = 0
+    spec_decode: dict[str, Any] | None = None
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    # Requests that finished inside the core without a token (e.g. aborted by the core).
+    finished_requests: set[str] | None = None
+    # Reply to a utility call: (call id, result or None, error message or None).
+    utility_output: tuple[int, Any, str | None] | None = None
+    engine_index: int = 0
+
+    def __post_init__(self) -> None:
+        if self.timestamp == 0.0:
+            self.timestamp = time.monotonic()
+
+
+class EngineCoreRequestType(bytes, enum.Enum):
+    """First frame of every message to an EngineCoreProc."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x03"
+    SHUTDOWN = b"\x04"

@@ -1,0 +1,93 @@
+"""Outputs: `ModelRunnerOutput` (runner -> scheduler) and `RequestOutput` (engine -> user)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Logprobs as vLLM returns them: per position, {token_id: Logprob}.
+SampleLogprobs = list[dict[int, "Logprob"]]
+PromptLogprobs = list[dict[int, "Logprob"] | None]
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class LogprobsLists:
+    """Per sampled token i of a request: `token_ids[i]` and `logprobs[i]` hold the sampled
+    token first, then the top-k alternatives; `ranks[i]` is the sampled token's rank (1 = best)."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """One step's results, indexed like `req_ids` (the runner's batch order)."""
+
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    # Tokens sampled per request: [] for a partial prefill chunk; 1 normally; up to k+1 with
+    # speculative decoding (the accepted drafts plus one).
+    sampled_token_ids: list[list[int]]
+    # Per request (None when it did not ask for logprobs or sampled nothing).
+    logprobs: list[LogprobsLists | None] | None = None
+    # Prompt logprobs computed this step, per request id: (token ids, logprobs, ranks) per
+    # prompt position covered by this step's chunk.
+    prompt_logprobs_dict: dict[str, LogprobsLists] = field(default_factory=dict)
+    # Draft tokens proposed for the next step (speculative decoding), per request.
+    spec_token_ids: list[list[int]] | None = None
+
+
+EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+
+
+@dataclass
+class CompletionOutput:
+    """One of the `n` sequences generated for a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """The result of one request (vLLM's fields)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "
+            f"prompt_token_ids={self.prompt_token_ids}, outputs={self.outputs}, "
+            f"finished={self.finished}, num_cached_tokens={self.num_cached_tokens})"
+        )

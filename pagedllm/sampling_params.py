@@ -1,0 +1,171 @@
+"""Sampling parameters for text generation, with vLLM's field names and defaults."""
+
+from __future__ import annotations
+
+import copy
+from enum import IntEnum
+from typing import Any
+
+import msgspec
+
+_SAMPLING_EPS = 1e-5
+
+
+class RequestOutputKind(IntEnum):
+    CUMULATIVE = 0  # every output carries the whole text so far
+    DELTA = 1  # every output carries only what is new
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+class SamplingParams(
+    msgspec.Struct,
+    omit_defaults=True,  # type: ignore[call-arg]
+    dict=True,  # type: ignore[call-arg]
+    kw_only=True,  # type: ignore[call-arg]
+):
+    """How to sample one request's output. `temperature=0` means greedy.
+
+    Invalid values raise `ValueError` naming the field and the value at construction.
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: all tokens
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Structured outputs (see pagedllm.structured_output); an opaque spec object here.
+    structured_outputs: Any = None
+    guided_decoding: Any = None
+    extra_args: dict[str, Any] | None = None
+
+    # Filled in by the engine (Processor), not by users.
+    _all_stop_token_ids: set[int] = msgspec.field(default_factory=set)
+    _eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        else:
+            self.stop = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        else:
+            self.stop_token_ids = list(self.stop_token_ids)
+        if self.logit_bias is not None:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"logit_bias={self.logit_bias!r} must map token ids to floats") from e
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.guided_decoding is not None and self.structured_outputs is None:
+            self.structured_outputs = self.guided_decoding
+        self._verify_args()
+        if self.temperature < _SAMPLING_EPS:
+            # Greedy: the other sampling knobs have no effect; normalize so batches stay simple.
+            self.temperature = 0.0
+            self.top_p = 1.0
+            self.top_k = 0
+            self.min_p = 0.0
+        # Union, not assignment: __post_init__ also runs when msgspec decodes a copy.
+        self._all_stop_token_ids.update(self.stop_token_ids)
+
+    def _verify_args(self) -> None:
+        def bad(field_name: str, value: Any, why: str) -> ValueError:
+            return ValueError(f"{field_name} must be {why}, got {value!r}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", self.n, "an integer >= 1")
+        if self.best_of is not None and self.best_of < self.n:
+            raise bad("best_of", self.best_of, f"an integer >= n ({self.n})")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise bad("repetition_penalty", self.repetition_penalty, "in (0, 2]")
+        if self.temperature < 0.0:
+            raise bad("temperature", self.temperature, "non-negative")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", self.top_p, "in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", self.top_k, "-1, 0 (disabled) or a positive integer")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", self.min_p, "in [0, 1]")
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
+            raise bad("max_tokens", self.max_tokens, "an integer >= 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", self.min_tokens, "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise bad("logprobs", self.logprobs, "a non-negative integer")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0
+        ):
+            raise bad("prompt_logprobs", self.prompt_logprobs, "a non-negative integer")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise bad("stop", self.stop, "a list of non-empty strings")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True")
+        if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
+            raise bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", self.seed, "an integer")
+
+    @property
+    def sampling_type_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        return self._all_stop_token_ids
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._eos_token_id
+
+    def update_from_generation_config(
+        self, generation_config: dict[str, Any], eos_token_ids: list[int]
+    ) -> None:
+        """Record the model's EOS ids: the first is *the* EOS; any extra ones act as stop ids."""
+        if eos_token_ids:
+            self._eos_token_id = eos_token_ids[0]
+            if not self.ignore_eos:
+                self._all_stop_token_ids.update(eos_token_ids[1:])
+        self._all_stop_token_ids.update(self.stop_token_ids)
+
+    def clone(self) -> SamplingParams:
+        return copy.deepcopy(self)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(
+            f"{f}={getattr(self, f)!r}" for f in self.__struct_fields__ if not f.startswith("_")
+        )
+        return f"SamplingParams({fields})"
