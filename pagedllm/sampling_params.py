@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from enum import IntEnum
 from typing import Any
 
@@ -61,23 +62,32 @@ class SamplingParams(
     # Filled in by the engine (Processor), not by users.
     _all_stop_token_ids: set[int] = msgspec.field(default_factory=set)
     _eos_token_id: int | None = None
+    _bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         elif self.stop is None:
             self.stop = []
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if self.stop_token_ids is None:
             self.stop_token_ids = []
-        else:
+        elif isinstance(self.stop_token_ids, (list, tuple, set)):
             self.stop_token_ids = list(self.stop_token_ids)
+        else:
+            raise ValueError(
+                f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}"
+            )
         if self.logit_bias is not None:
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"logit_bias={self.logit_bias!r} must map token ids to floats") from e
+            except (AttributeError, TypeError, ValueError) as e:
+                raise ValueError(
+                    f"logit_bias={self.logit_bias!r} must map token ids to floats"
+                ) from e
         if self.top_k == -1:
             self.top_k = 0
         if self.guided_decoding is not None and self.structured_outputs is None:
@@ -104,10 +114,10 @@ class SamplingParams(
             raise bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise bad("repetition_penalty", self.repetition_penalty, "in (0, 2]")
-        if self.temperature < 0.0:
-            raise bad("temperature", self.temperature, "non-negative")
+        if not self.repetition_penalty > 0.0 or math.isinf(self.repetition_penalty):
+            raise bad("repetition_penalty", self.repetition_penalty, "a finite number > 0")
+        if not self.temperature >= 0.0 or math.isinf(self.temperature):
+            raise bad("temperature", self.temperature, "a finite number >= 0")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", self.top_p, "in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < 0:
@@ -134,8 +144,16 @@ class SamplingParams(
             raise bad("stop", self.stop, "a list of non-empty strings")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True")
-        if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
-            raise bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list")
+        if self.allowed_token_ids is not None and (
+            len(self.allowed_token_ids) == 0
+            or any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids)
+        ):
+            raise bad("allowed_token_ids", self.allowed_token_ids, "a non-empty list of token ids")
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, list)
+            or any(not isinstance(w, str) for w in self.bad_words)
+        ):
+            raise bad("bad_words", self.bad_words, "a list of strings")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", self.seed, "an integer")
 
@@ -150,6 +168,30 @@ class SamplingParams(
     @property
     def eos_token_id(self) -> int | None:
         return self._eos_token_id
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]] | None:
+        return self._bad_words_token_ids
+
+    def update_from_tokenizer(self, tokenizer: Any) -> None:
+        """Tokenize `bad_words` for the sampler. Each word is banned as written and, where the
+        tokenizer has a distinct word-initial form of the same length, with a leading space."""
+        if not self.bad_words:
+            return
+        sequences: list[list[int]] = []
+        for word in self.bad_words:
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if plain and plain not in sequences:
+                sequences.append(plain)
+            if (
+                spaced
+                and len(spaced) == len(plain)
+                and spaced[0] != plain[0]
+                and spaced not in sequences
+            ):
+                sequences.append(spaced)
+        self._bad_words_token_ids = sequences
 
     def update_from_generation_config(
         self, generation_config: dict[str, Any], eos_token_ids: list[int]

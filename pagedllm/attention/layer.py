@@ -1,0 +1,93 @@
+"""The attention layer models call: reshapes q/k/v into heads and hands them to the backend
+together with this layer's own paged KV-cache tensor."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.attention.backend import AttentionBackend
+
+
+class Attention(nn.Module):
+    """Paged attention over this layer's KV cache (no parameters of its own).
+
+    Built by the model with its local head counts (per tensor-parallel rank). The model runner
+    binds `kv_cache` (shaped by `backend.get_kv_cache_shape(num_blocks, block_size,
+    num_kv_heads, head_size)`) and `backend` after the model is built, before the first
+    forward; `bind_kv_caches` does it for a whole model. `prefix` is the layer's dotted name
+    in the model (e.g. `model.layers.0.self_attn.attn`), a stable key for per-layer caches.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        num_kv_heads = num_kv_heads or num_heads
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"{prefix}: num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}"
+            )
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.layer_name = prefix
+        self.kv_cache: torch.Tensor | None = None
+        self.backend: AttentionBackend | None = None
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H * D]
+        k: torch.Tensor,  # [T, Hkv * D]
+        v: torch.Tensor,  # [T, Hkv * D]
+        attn_metadata: Any,  # what backend.build_metadata returned for this step
+    ) -> torch.Tensor:
+        if self.backend is None or self.kv_cache is None:
+            raise RuntimeError(
+                f"attention layer {self.layer_name!r} has no KV cache bound; the model runner "
+                "must set layer.kv_cache and layer.backend before the first forward"
+            )
+        num_tokens = q.shape[0]
+        out = self.backend.forward(
+            q.view(num_tokens, self.num_heads, self.head_size),
+            k.view(num_tokens, self.num_kv_heads, self.head_size),
+            v.view(num_tokens, self.num_kv_heads, self.head_size),
+            self.kv_cache,
+            attn_metadata,
+            self.scale,
+        )  # [T, H, D]
+        return out.reshape(num_tokens, self.num_heads * self.head_size)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"head_size={self.head_size}, scale={self.scale:.4g}"
+        )
+
+
+def get_attention_layers(model: nn.Module) -> list[Attention]:
+    """The model's Attention layers in module order (layer 0 first)."""
+    return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+def bind_kv_caches(
+    model: nn.Module, kv_caches: list[torch.Tensor], backend: AttentionBackend
+) -> list[Attention]:
+    """Bind `kv_caches[i]` and `backend` to the model's i-th Attention layer; returns them."""
+    layers = get_attention_layers(model)
+    if len(layers) != len(kv_caches):
+        raise ValueError(
+            f"got {len(kv_caches)} KV-cache tensors for {len(layers)} attention layers"
+        )
+    for layer, cache in zip(layers, kv_caches):
+        layer.kv_cache = cache
+        layer.backend = backend
+    return layers

@@ -1,0 +1,360 @@
+"""Paged attention in plain PyTorch: one code path for the CPU and CUDA.
+
+Algorithm. Each layer's cache is `[2, num_blocks, block_size, num_kv_heads, head_size]` (keys
+at index 0, values at 1). A step first scatters the new key/value rows into their slots with
+one `index_copy_` each (rows viewed as `[num_slots, num_kv_heads * head_size]`). Attention then
+runs over the scheduled requests, split by `build_metadata` into two kinds of work:
+
+* Batched groups: requests with a short query (decodes, query_len 1; and, in a separate group,
+  short multi-token queries such as speculative tokens, up to `max_batched_query_len`). Their
+  blocks are gathered with one `index_select` of whole blocks per K and V (a block is one
+  contiguous `block_size * num_kv_heads * head_size` run, so the gather is a memcpy of large
+  pieces and needs no slot-level index), which yields `[B, Lpad, num_kv_heads, head_size]`
+  that SDPA reads through a transposed view, without a further copy. One SDPA call per group
+  covers it, with a boolean mask (built once per step) that hides the padding past each
+  request's length and enforces causality for multi-token queries. For query_len 1 the
+  `num_heads / num_kv_heads` query heads sharing a KV head are laid out as query rows of that
+  KV head (`[B, num_kv_heads, group, head_size]`), so GQA/MQA needs no K/V expansion. A group
+  whose lengths are very uneven is split (sorted by length, recursive best two-way cut) when
+  the padding saved outweighs the fixed cost of another call.
+* Long queries (prefill or chunked prefill) run one SDPA each. Without cached context the
+  request attends to its own new tokens only: SDPA reads `query/key/value` slices directly with
+  `is_causal=True` and the cache is not read at all. With context (prefix-cache hit or earlier
+  chunk) its blocks are gathered whole and a bottom-right causal mask (`key_pos <= ctx + i`)
+  is applied. Long queries over long contexts are cut into row chunks so that no mask exceeds
+  `_MASK_BUDGET` elements; chunk i only reads the keys up to its own last row, and every
+  chunk's mask is a bottom-right-aligned slice of one `[chunk_rows, seq_len]` template.
+
+Everything the layers share (group membership, block-id index tensors, masks, row indices and
+the host-side bounds of each call) is built once in `build_metadata`; `forward` only issues
+the scatter, gathers and SDPA calls, and never synchronizes with the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.backend import AttentionBackend, CommonAttentionMetadata
+
+# A further batched SDPA call costs about as much as attending over this many padded key
+# positions (CPU, a few heads of size 64-128); used only to decide when to split a group.
+_GROUP_OVERHEAD_TOKENS = 256
+# Most elements in one prefill mask ([query rows, keys]); longer prefills run in row chunks.
+_MASK_BUDGET = 1 << 22
+
+
+@dataclass
+class BatchedGroup:
+    """Requests attended in one padded SDPA call (query_len <= max_batched_query_len)."""
+
+    num_reqs: int
+    max_query_len: int  # Qmax: queries are padded to this many rows per request
+    num_blocks: int  # blocks gathered per request; keys padded to num_blocks * block_size
+    # Rows of the flattened batch holding each request's queries, padded by repeating the last
+    # row (so padded rows are well defined and never fully masked); a slice if contiguous.
+    q_rows: torch.Tensor | slice  # [B * Qmax] int64
+    block_ids: torch.Tensor  # [B * num_blocks] int64, unused entries point at block 0
+    mask: torch.Tensor  # [B, 1, Qmax, num_blocks * block_size] bool, True = attend
+    # Real rows of the padded [B * Qmax] result (None when Qmax == 1: all are real).
+    out_src: torch.Tensor | None  # [n_real] int64
+    out_rows: torch.Tensor | slice  # [n_real] int64 destination rows, or a slice if contiguous
+
+
+@dataclass
+class PrefillRequest:
+    """One long query attended by its own SDPA call(s)."""
+
+    start: int  # its rows in the flattened batch: start:end
+    end: int
+    seq_len: int
+    block_ids: torch.Tensor | None  # [ceil(seq_len / block_size)] int64; None: no context
+    # Bottom-right causal template, True = attend: row r sees keys j <= seq_len - C + r. The
+    # mask of a chunk of n rows whose last row is at key_len - 1 is mask[C - n:, seq_len -
+    # key_len:]. None: no context, plain causal.
+    mask: torch.Tensor | None  # [C, seq_len] bool
+    chunks: list[tuple[int, int, int]] = field(default_factory=list)  # (row start, end, key_len)
+
+
+@dataclass
+class TorchAttentionMetadata:
+    num_actual_tokens: int
+    slot_mapping: torch.Tensor  # [num_actual_tokens] int64
+    block_size: int
+    groups: list[BatchedGroup] = field(default_factory=list)
+    prefills: list[PrefillRequest] = field(default_factory=list)
+    max_gather_blocks: int = 0  # most blocks one call gathers (sizes the workspace)
+    # Gather buffers reused by every layer of the step, keyed by (dtype, device), made by the
+    # first layer. Fresh allocations of tens of MB per layer cost more than the gather on the
+    # CPU (the allocator hands them back to the OS and page-faults them in again).
+    workspace: dict[tuple[torch.dtype, torch.device], torch.Tensor] = field(default_factory=dict)
+
+    def gather_kv(
+        self, kv_cache: torch.Tensor, block_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole blocks `block_ids` of keys and values, each [n, block_size * Hkv * D]."""
+        num_blocks_total = kv_cache.shape[1]
+        block_numel = kv_cache[0, 0].numel()
+        key = (kv_cache.dtype, kv_cache.device)
+        buf = self.workspace.get(key)
+        if buf is None or buf.numel() < 2 * self.max_gather_blocks * block_numel:
+            buf = torch.empty(
+                (2, self.max_gather_blocks, block_numel),
+                dtype=kv_cache.dtype,
+                device=kv_cache.device,
+            )
+            self.workspace[key] = buf
+        n = block_ids.shape[0]
+        buf = buf.view(-1)[: 2 * n * block_numel].view(2, n, block_numel)
+        k = torch.index_select(kv_cache[0].view(num_blocks_total, -1), 0, block_ids, out=buf[0])
+        v = torch.index_select(kv_cache[1].view(num_blocks_total, -1), 0, block_ids, out=buf[1])
+        return k, v
+
+
+def _split_by_length(lengths: list[int], overhead: int) -> list[tuple[int, int]]:
+    """Cut `lengths` (sorted descending) into ranges [lo, hi) so that the padded cost
+    sum(count * first_length) plus `overhead` per range is small: recursive best two-way cut."""
+    out: list[tuple[int, int]] = []
+    todo = [(0, len(lengths))]
+    while todo:
+        lo, hi = todo.pop()
+        whole = (hi - lo) * lengths[lo]
+        best, best_cut = whole, -1
+        for cut in range(lo + 1, hi):
+            cost = (cut - lo) * lengths[lo] + (hi - cut) * lengths[cut] + overhead
+            if cost < best:
+                best, best_cut = cost, cut
+        if best_cut < 0:
+            out.append((lo, hi))
+        else:
+            todo += [(best_cut, hi), (lo, best_cut)]
+    return sorted(out)
+
+
+def _rows(rows: list[int], device: torch.device) -> torch.Tensor | slice:
+    """An index tensor for `rows`, or the equivalent slice when they are consecutive."""
+    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Paged attention with `torch.nn.functional.scaled_dot_product_attention`.
+
+    `max_batched_query_len`: requests with at most this many new tokens are attended in padded
+    batches (decodes in one batch, other short queries in another); longer ones one by one.
+    """
+
+    name = "torch"
+
+    def __init__(self, max_batched_query_len: int = 8) -> None:
+        if max_batched_query_len < 1:
+            raise ValueError(f"max_batched_query_len={max_batched_query_len} must be >= 1")
+        self.max_batched_query_len = max_batched_query_len
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    # ---------------------------------------------------------------- per-step metadata
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
+        qsl, seq_lens = common.query_start_loc_cpu, common.seq_lens_cpu
+        meta = TorchAttentionMetadata(
+            num_actual_tokens=common.num_actual_tokens,
+            slot_mapping=common.slot_mapping[: common.num_actual_tokens].long(),
+            block_size=common.block_size,
+        )
+        decodes, shorts = [], []
+        for i in range(common.num_reqs):
+            query_len = qsl[i + 1] - qsl[i]
+            if query_len == 1:
+                decodes.append(i)
+            elif 0 < query_len <= self.max_batched_query_len:
+                shorts.append(i)
+            elif query_len > 0:
+                meta.prefills.append(self._build_prefill(common, i))
+        for reqs in (decodes, shorts):
+            if not reqs:
+                continue
+            by_len = sorted(reqs, key=lambda r: -seq_lens[r])
+            blocks = [-(-seq_lens[r] // common.block_size) for r in by_len]
+            overhead = -(-_GROUP_OVERHEAD_TOKENS // common.block_size)
+            cuts = _split_by_length(blocks, overhead)
+            if len(cuts) == 1:  # keep batch order: rows stay a contiguous slice more often
+                meta.groups.append(self._build_group(common, reqs))
+                continue
+            for lo, hi in cuts:
+                meta.groups.append(self._build_group(common, by_len[lo:hi]))
+        gathers = [g.num_reqs * g.num_blocks for g in meta.groups]
+        gathers += [p.block_ids.shape[0] for p in meta.prefills if p.block_ids is not None]
+        meta.max_gather_blocks = max(gathers, default=0)
+        return meta
+
+    def _build_group(self, common: CommonAttentionMetadata, reqs: list[int]) -> BatchedGroup:
+        qsl, seq_lens, bs = common.query_start_loc_cpu, common.seq_lens_cpu, common.block_size
+        dev = common.block_table.device
+        num_reqs = len(reqs)
+        query_lens = [qsl[r + 1] - qsl[r] for r in reqs]
+        max_q = max(query_lens)
+        num_blocks = max(-(-seq_lens[r] // bs) for r in reqs)
+
+        q_rows, out_src, out_rows, q_pos = [], [], [], []
+        for b, (r, q_len) in enumerate(zip(reqs, query_lens)):
+            ctx = seq_lens[r] - q_len
+            for i in range(max_q):
+                j = min(i, q_len - 1)  # padded rows repeat the last real one
+                q_rows.append(qsl[r] + j)
+                q_pos.append(ctx + j)
+                if i < q_len:
+                    out_src.append(b * max_q + i)
+                    out_rows.append(qsl[r] + i)
+
+        req_idx = torch.tensor(reqs, dtype=torch.int64, device=dev)
+        need = torch.tensor([-(-seq_lens[r] // bs) for r in reqs], device=dev)  # [B]
+        table = common.block_table.index_select(0, req_idx)[:, :num_blocks].long()
+        cols = torch.arange(num_blocks, device=dev)
+        # Entries past a request's own blocks may be stale or -1: point them at block 0.
+        table = torch.where(cols[None, :] < need[:, None], table, 0)  # [B, num_blocks]
+
+        key_pos = torch.arange(num_blocks * bs, device=dev)  # [Lpad]
+        q_pos_t = torch.tensor(q_pos, device=dev).view(num_reqs, max_q)  # [B, Qmax]
+        mask = key_pos[None, None, :] <= q_pos_t[:, :, None]  # [B, Qmax, Lpad]
+        return BatchedGroup(
+            num_reqs=num_reqs,
+            max_query_len=max_q,
+            num_blocks=num_blocks,
+            q_rows=_rows(q_rows, dev),
+            block_ids=table.reshape(-1),
+            mask=mask.unsqueeze(1),
+            out_src=None if max_q == 1 else torch.tensor(out_src, device=dev),
+            out_rows=_rows(out_rows, dev),
+        )
+
+    def _build_prefill(self, common: CommonAttentionMetadata, r: int) -> PrefillRequest:
+        start, end = common.query_start_loc_cpu[r], common.query_start_loc_cpu[r + 1]
+        seq_len = common.seq_lens_cpu[r]
+        ctx = seq_len - (end - start)
+        if ctx == 0:
+            return PrefillRequest(start, end, seq_len, None, None)
+        dev = common.block_table.device
+        num_blocks = -(-seq_len // common.block_size)
+        block_ids = common.block_table[r, :num_blocks].long()
+        rows = min(end - start, max(16, _MASK_BUDGET // seq_len))
+        last_q_pos = torch.arange(seq_len - rows, seq_len, device=dev)  # [C]
+        mask = torch.arange(seq_len, device=dev)[None, :] <= last_q_pos[:, None]  # [C, L]
+        chunks = [
+            (s, min(s + rows, end), ctx + min(s + rows, end) - start)
+            for s in range(start, end, rows)
+        ]
+        return PrefillRequest(start, end, seq_len, block_ids, mask, chunks)
+
+    # ---------------------------------------------------------------- per-layer forward
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, H, D]
+        key: torch.Tensor,  # [T, Hkv, D]
+        value: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        metadata: TorchAttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        num_tokens, num_heads, head_size = query.shape
+        num_kv_heads = key.shape[1]
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of {num_kv_heads=}")
+        n = metadata.num_actual_tokens
+        row = num_kv_heads * head_size
+        key_cache = kv_cache[0].view(-1, row)  # [num_slots, Hkv * D]
+        value_cache = kv_cache[1].view(-1, row)
+        if n > 0:
+            key_cache.index_copy_(0, metadata.slot_mapping, key[:n].reshape(n, row))
+            value_cache.index_copy_(0, metadata.slot_mapping, value[:n].reshape(n, row))
+
+        out = torch.empty(
+            (num_tokens, num_heads, head_size), dtype=query.dtype, device=query.device
+        )
+        for group in metadata.groups:
+            self._attend_group(out, query, kv_cache, group, metadata, scale)
+        for p in metadata.prefills:
+            self._attend_prefill(out, query, key, value, kv_cache, p, metadata, scale)
+        if n < num_tokens:
+            out[n:].zero_()  # padding rows: defined values, nothing else reads them
+        return out
+
+    @staticmethod
+    def _attend_group(
+        out: torch.Tensor,  # [T, H, D]
+        query: torch.Tensor,  # [T, H, D]
+        kv_cache: torch.Tensor,
+        g: BatchedGroup,
+        meta: TorchAttentionMetadata,
+        scale: float,
+    ) -> None:
+        _, num_heads, head_size = query.shape
+        num_kv_heads = kv_cache.shape[3]
+        B, Q, L = g.num_reqs, g.max_query_len, g.num_blocks * meta.block_size
+        # Whole-block gathers: [B * num_blocks, block_size * Hkv * D] -> [B, Hkv, L, D] (view).
+        k, v = meta.gather_kv(kv_cache, g.block_ids)
+        k = k.view(B, L, num_kv_heads, head_size).transpose(1, 2)
+        v = v.view(B, L, num_kv_heads, head_size).transpose(1, 2)
+        q = query[g.q_rows] if isinstance(g.q_rows, slice) else query.index_select(0, g.q_rows)
+        if Q == 1:
+            # The query heads of one KV head become that head's query rows: no GQA expansion.
+            q = q.reshape(B, num_kv_heads, num_heads // num_kv_heads, head_size)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)
+            o = o.view(B, num_heads, head_size)  # [B, H, D]
+        else:
+            q = q.reshape(B, Q, num_heads, head_size).transpose(1, 2)  # [B, H, Q, D]
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=g.mask, scale=scale, enable_gqa=num_heads != num_kv_heads
+            )
+            o = o.transpose(1, 2).reshape(B * Q, num_heads, head_size)
+            o = o.index_select(0, g.out_src)  # [n_real, H, D]
+        if isinstance(g.out_rows, slice):
+            out[g.out_rows] = o
+        else:
+            out.index_copy_(0, g.out_rows, o)
+
+    @staticmethod
+    def _attend_prefill(
+        out: torch.Tensor,  # [T, H, D]
+        query: torch.Tensor,  # [T, H, D]
+        key: torch.Tensor,  # [T, Hkv, D]
+        value: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,
+        p: PrefillRequest,
+        meta: TorchAttentionMetadata,
+        scale: float,
+    ) -> None:
+        num_heads, num_kv_heads = query.shape[1], key.shape[1]
+        head_size = query.shape[2]
+        gqa = num_heads != num_kv_heads
+        if p.mask is None:
+            q = query[p.start : p.end].transpose(0, 1)[None]  # [1, H, Q, D]
+            k = key[p.start : p.end].transpose(0, 1)[None]  # [1, Hkv, Q, D]
+            v = value[p.start : p.end].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+            out[p.start : p.end] = o[0].transpose(0, 1)  # [Q, H, D]
+            return
+        k, v = meta.gather_kv(kv_cache, p.block_ids)  # [num_blocks, block_size * Hkv * D]
+        k = k.view(-1, num_kv_heads, head_size).transpose(0, 1)[None]  # [1, Hkv, Lpad, D]
+        v = v.view(-1, num_kv_heads, head_size).transpose(0, 1)[None]
+        chunk_rows = p.mask.shape[0]
+        for start, end, key_len in p.chunks:
+            q = query[start:end].transpose(0, 1)[None]  # [1, H, n, D]
+            mask = p.mask[chunk_rows - (end - start) :, p.seq_len - key_len :]  # [n, key_len]
+            o = F.scaled_dot_product_attention(
+                q,
+                k[:, :, :key_len],
+                v[:, :, :key_len],
+                attn_mask=mask,
+                scale=scale,
+                enable_gqa=gqa,
+            )
+            out[start:end] = o[0].transpose(0, 1)  # [n, H, D]

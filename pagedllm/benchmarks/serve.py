@@ -1,0 +1,361 @@
+"""`pagedllm bench serve`: drive a running OpenAI-compatible server and measure it.
+
+Requests (from the dataset flags) are sent as streaming completions (or chat completions) by an
+asyncio client. Arrivals follow a gamma process: the gap before each next request is drawn
+from `Gamma(shape=burstiness, scale=1 / (request_rate * burstiness))`, so the mean rate is
+`--request-rate` and `--burstiness 1.0` is a Poisson process (smaller is burstier); an
+infinite rate sends everything at once. `--max-concurrency` caps requests in flight.
+Per request the client records the time to the first streamed chunk (TTFT), the gaps
+between later chunks (ITL), the whole latency, and the server's `usage.completion_tokens`;
+`pagedllm.benchmarks.metrics` turns those into vLLM's result block.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import time
+import traceback
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, TypeVar
+
+import numpy as np
+
+from pagedllm.benchmarks.datasets import SampleRequest, add_dataset_args, get_requests
+from pagedllm.benchmarks.metrics import (
+    BenchmarkMetrics,
+    RequestFuncOutput,
+    calculate_metrics,
+    output_len_of,
+    parse_goodput,
+    parse_metric_percentiles,
+    parse_percentile_metrics,
+    percentile_label,
+)
+from pagedllm.benchmarks.offline import write_json
+
+T = TypeVar("T")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+# A benchmark may run for hours; one request never times out before that.
+_HTTP_TIMEOUT_S = 6 * 60 * 60
+_METRIC_HEADERS = {
+    "ttft": ("TTFT", "Time to First Token"),
+    "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
+    "itl": ("ITL", "Inter-token Latency"),
+    "e2el": ("E2EL", "End-to-end Latency"),
+}
+
+
+@dataclass
+class RequestInput:
+    """What one HTTP request sends."""
+
+    api_url: str
+    model: str
+    prompt: str | list[int]
+    prompt_len: int
+    output_len: int
+    temperature: float = 0.0
+    ignore_eos: bool = False
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    from pagedllm.engine.arg_utils import EngineArgs
+
+    parser.add_argument("--base-url", default=None, help="server URL (overrides --host/--port)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--endpoint", choices=ENDPOINTS, default="/v1/completions")
+    parser.add_argument(
+        "--model", default=None, help="model path (tokenizer); default: the server's first model"
+    )
+    parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s")
+    parser.add_argument("--burstiness", type=float, default=1.0, help="1.0: Poisson arrivals")
+    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--ignore-eos", action="store_true", help="send ignore_eos=true")
+    parser.add_argument(
+        "--goodput", nargs="+", default=None, metavar="NAME:MS", help="SLOs, e.g. ttft:500"
+    )
+    parser.add_argument("--percentile-metrics", default="ttft,tpot,itl")
+    parser.add_argument("--metric-percentiles", default="99")
+    parser.add_argument("--output-json", default=None, help="write the results here")
+    parser.add_argument("--disable-tqdm", action="store_true")
+    add_dataset_args(parser)
+    # Engine flags are accepted so a `serve` command line can be reused; `--tokenizer`,
+    # `--served-model-name` (the model name sent), `--trust-remote-code` and `--seed` apply.
+    EngineArgs.add_cli_args(parser)
+
+
+def _request_body(req: RequestInput, chat: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": req.model,
+        "temperature": req.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if chat:
+        body["messages"] = [{"role": "user", "content": req.prompt}]
+        body["max_completion_tokens"] = req.output_len
+    else:
+        body["prompt"] = req.prompt
+        body["max_tokens"] = req.output_len
+    if req.ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+def _chunk_text(data: dict[str, Any], chat: bool) -> str | None:
+    """The text of a streamed chunk, or None when it carries no choice (a usage chunk)."""
+    choices = data.get("choices")
+    if not choices:
+        return None
+    if chat:
+        return (choices[0].get("delta") or {}).get("content") or ""
+    return choices[0].get("text") or ""
+
+
+async def send_request(client: Any, req: RequestInput, chat: bool) -> RequestFuncOutput:
+    """POST one streaming request; time every chunk that carries a choice."""
+    out = RequestFuncOutput(prompt_len=req.prompt_len)
+    start = last = time.perf_counter()
+    out.start_time = start
+    got_first = False
+    try:
+        async with client.stream("POST", req.api_url, json=_request_body(req, chat)) as resp:
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode("utf-8", "replace")
+                out.error = f"HTTP {resp.status_code}: {body[:500]}"
+                return out
+            async for line in resp.aiter_lines():
+                line = line.strip()
+                if not line.startswith("data:"):
+                    continue
+                payload = line[len("data:") :].strip()
+                if payload == "[DONE]":
+                    break
+                now = time.perf_counter()
+                data = json.loads(payload)
+                if data.get("error"):
+                    out.error = f"error in stream: {data['error']}"
+                    return out
+                text = _chunk_text(data, chat)
+                if text is not None:
+                    if got_first:
+                        out.itl.append(now - last)
+                    else:
+                        out.ttft = now - start
+                        got_first = True
+                    last = now
+                    out.generated_text += text
+                usage = data.get("usage")
+                if usage and usage.get("completion_tokens") is not None:
+                    out.output_tokens = int(usage["completion_tokens"])
+        if not got_first:
+            out.error = "the stream ended without a token (no TTFT)"
+        else:
+            out.latency = last - start
+            out.success = True
+    except Exception:
+        out.error = traceback.format_exc(limit=3)
+    return out
+
+
+async def arrivals(
+    items: list[T], rate: float, burstiness: float, rng: np.random.Generator
+) -> AsyncIterator[T]:
+    """Yield items with gamma-distributed gaps (mean `1 / rate`); no gaps for `rate=inf`."""
+    theta = 1.0 / (rate * burstiness) if rate != float("inf") else 0.0
+    for i, item in enumerate(items):
+        yield item
+        if theta and i + 1 < len(items):
+            await asyncio.sleep(float(rng.gamma(shape=burstiness, scale=theta)))
+
+
+def _validate(args: argparse.Namespace) -> None:
+    if not args.request_rate > 0:
+        raise ValueError(f"--request-rate={args.request_rate} must be positive")
+    if not args.burstiness > 0:
+        raise ValueError(f"--burstiness={args.burstiness} must be positive")
+    if args.max_concurrency is not None and args.max_concurrency <= 0:
+        raise ValueError(f"--max-concurrency={args.max_concurrency} must be positive")
+
+
+async def _first_model(client: Any, base_url: str) -> str:
+    resp = await client.get(base_url + "/v1/models")
+    resp.raise_for_status()
+    models = resp.json().get("data") or []
+    if not models:
+        raise ValueError(f"{base_url}/v1/models lists no model; pass --model")
+    return models[0]["id"]
+
+
+async def run_benchmark(
+    args: argparse.Namespace, requests: list[SampleRequest], base_url: str, model_name: str
+) -> tuple[list[RequestFuncOutput], float]:
+    """Send every request (after one test request) and return their outputs and the wall
+    time from the first send to the last completion."""
+    import httpx
+    from tqdm import tqdm
+
+    chat = args.endpoint == "/v1/chat/completions"
+    api_url = base_url + args.endpoint
+
+    def make_input(r: SampleRequest) -> RequestInput:
+        prompt: str | list[int] = r.prompt if r.prompt is not None else r.prompt_token_ids
+        return RequestInput(
+            api_url, model_name, prompt, r.prompt_len, r.expected_output_len,
+            args.temperature, args.ignore_eos,
+        )  # fmt: skip
+
+    inputs = [make_input(r) for r in requests]
+    limits = httpx.Limits(max_connections=args.max_concurrency, max_keepalive_connections=None)
+    timeout = httpx.Timeout(_HTTP_TIMEOUT_S)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        print("Starting initial single prompt test run...")
+        test = await send_request(client, inputs[0], chat)
+        if not test.success:
+            raise ValueError(f"the initial test request failed; check the server: {test.error}")
+        print("Initial test run completed. Starting main benchmark run...")
+        print(f"Traffic request rate: {args.request_rate}")
+        kind = " (Poisson process)" if args.burstiness == 1.0 else ""
+        print(f"Burstiness factor: {args.burstiness}{kind}")
+        print(f"Maximum request concurrency: {args.max_concurrency}")
+
+        bar = tqdm(total=len(inputs), disable=args.disable_tqdm, dynamic_ncols=True)
+        gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+
+        async def one(req: RequestInput) -> RequestFuncOutput:
+            if gate is None:
+                result = await send_request(client, req, chat)
+            else:
+                async with gate:
+                    result = await send_request(client, req, chat)
+            bar.update(1)
+            return result
+
+        rng = np.random.default_rng(args.seed)
+        start = time.perf_counter()
+        tasks = []
+        async for req in arrivals(inputs, args.request_rate, args.burstiness, rng):
+            tasks.append(asyncio.create_task(one(req)))
+        outputs = list(await asyncio.gather(*tasks))
+        duration = time.perf_counter() - start
+        bar.close()
+    return outputs, duration
+
+
+def format_results(
+    metrics: BenchmarkMetrics,
+    duration: float,
+    args: argparse.Namespace,
+    selected_metrics: list[str],
+    goodput: bool,
+) -> tuple[list[str], dict[str, Any]]:
+    """vLLM's result block (lines) and the matching JSON fields."""
+    row = "{:<40} {:<10}".format
+    rowf = "{:<40} {:<10.2f}".format
+    lines = ["{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="=")]
+    lines.append(row("Successful requests:", metrics.completed))
+    if args.max_concurrency is not None:
+        lines.append(row("Maximum request concurrency:", args.max_concurrency))
+    if args.request_rate != float("inf"):
+        lines.append(rowf("Request rate configured (RPS):", args.request_rate))
+    lines.append(rowf("Benchmark duration (s):", duration))
+    lines.append(row("Total input tokens:", metrics.total_input))
+    lines.append(row("Total generated tokens:", metrics.total_output))
+    lines.append(rowf("Request throughput (req/s):", metrics.request_throughput))
+    if goodput:
+        lines.append(rowf("Request goodput (req/s):", metrics.request_goodput))
+    lines.append(rowf("Output token throughput (tok/s):", metrics.output_throughput))
+    lines.append(rowf("Total Token throughput (tok/s):", metrics.total_token_throughput))
+    result: dict[str, Any] = {
+        "duration": duration,
+        "completed": metrics.completed,
+        "total_input_tokens": metrics.total_input,
+        "total_output_tokens": metrics.total_output,
+        "request_throughput": metrics.request_throughput,
+        "request_goodput": metrics.request_goodput if goodput else None,
+        "output_throughput": metrics.output_throughput,
+        "total_token_throughput": metrics.total_token_throughput,
+    }
+    for name in selected_metrics:
+        short, header = _METRIC_HEADERS[name]
+        lines.append("{s:{c}^{n}}".format(s=header, n=50, c="-"))
+        for stat, label in (("mean", "Mean"), ("median", "Median")):
+            value = getattr(metrics, f"{stat}_{name}_ms")
+            lines.append(rowf(f"{label} {short} (ms):", value))
+            result[f"{stat}_{name}_ms"] = value
+        result[f"std_{name}_ms"] = getattr(metrics, f"std_{name}_ms")
+        for p, value in getattr(metrics, f"percentiles_{name}_ms"):
+            label = percentile_label(p)
+            lines.append(rowf(f"P{label} {short} (ms):", value))
+            result[f"p{label}_{name}_ms"] = value
+    lines.append("=" * 50)
+    return lines, result
+
+
+def main(args: argparse.Namespace) -> int:
+    import httpx
+    from transformers import AutoTokenizer
+
+    _validate(args)
+    # httpx logs every request at INFO, which would bury the progress bar.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    selected_metrics = parse_percentile_metrics(args.percentile_metrics)
+    percentiles = parse_metric_percentiles(args.metric_percentiles)
+    slos = parse_goodput(args.goodput)
+    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    model_id = args.model
+    if model_id is None:
+        model_id = asyncio.run(_list_first_model(httpx, base_url))
+    model_name = args.served_model_name or model_id
+    tokenizer_id = args.tokenizer or model_id
+    tokenizer = AutoTokenizer.from_pretrained(
+        tokenizer_id, trust_remote_code=args.trust_remote_code
+    )
+    requests = get_requests(args, tokenizer)
+    if args.endpoint == "/v1/chat/completions":
+        # Chat messages are text: random token-id prompts go as their decoded text (as in
+        # vLLM), so the server's token count of them may differ a little from `prompt_len`.
+        for r in requests:
+            if r.prompt is None:
+                r.prompt = tokenizer.decode(r.prompt_token_ids)
+
+    outputs, duration = asyncio.run(run_benchmark(args, requests, base_url, model_name))
+    metrics = calculate_metrics(outputs, duration, percentiles, slos or None)
+    lines, result = format_results(metrics, duration, args, selected_metrics, bool(slos))
+    print("\n".join(lines))
+    failed = [o.error for o in outputs if not o.success]
+    if failed:
+        print(f"{len(failed)} request(s) failed; the first error: {failed[0]}")
+    if args.output_json:
+        result.update(
+            date=datetime.now().strftime("%Y%m%d-%H%M%S"),
+            backend="pagedllm",
+            endpoint=args.endpoint,
+            model_id=model_id,
+            tokenizer_id=tokenizer_id,
+            num_prompts=len(requests),
+            request_rate=args.request_rate,
+            burstiness=args.burstiness,
+            max_concurrency=args.max_concurrency,
+            goodput=slos or None,
+            input_lens=[o.prompt_len for o in outputs],
+            output_lens=[output_len_of(o) for o in outputs],
+            ttfts=[o.ttft for o in outputs],
+            itls=[o.itl for o in outputs],
+            generated_texts=[o.generated_text for o in outputs],
+            errors=[o.error for o in outputs],
+        )
+        write_json(args.output_json, result)
+    return 0
+
+
+async def _list_first_model(httpx: Any, base_url: str) -> str:
+    async with httpx.AsyncClient(timeout=30.0) as client:
+        return await _first_model(client, base_url)

@@ -1,0 +1,207 @@
+"""`EngineArgs`: the flat, user-facing engine arguments (vLLM's names) and their CLI flags.
+
+`create_engine_config()` validates everything once and builds the nested `EngineConfig` that
+is handed down whole to every layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+from pagedllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    resolve_dtype,
+)
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+DEFAULT_MAX_NUM_SEQS = 256
+
+
+@dataclass
+class EngineArgs:
+    """Arguments of `LLM(...)`, `LLMEngine` and `pagedllm serve` (flags: `--max-num-seqs` ...)."""
+
+    model: str = ""
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    trust_remote_code: bool = False
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    long_prefill_token_threshold: int = 0
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    scheduling_policy: str = "fcfs"
+    device: str = "auto"
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    speculative_config: dict[str, Any] | None = None
+    disable_log_stats: bool = True
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        """Build from keyword arguments; an unknown keyword is a ValueError naming it."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown engine argument(s) {unknown}; valid arguments are {sorted(known)}"
+            )
+        return cls(**kwargs)
+
+    def create_engine_config(self) -> EngineConfig:
+        # Imported here: loading transformers is slow and only needed when an engine is built.
+        from pagedllm.transformers_utils.config import (
+            get_eos_token_ids,
+            get_generation_config,
+            get_hf_config,
+        )
+
+        if not self.model:
+            raise ValueError("model must be a local checkpoint directory, got an empty value")
+        device_config = DeviceConfig(self.device)
+        hf_config = get_hf_config(self.model, trust_remote_code=self.trust_remote_code)
+        max_model_len = self._resolve_max_model_len(hf_config)
+        generation_config = get_generation_config(self.model)
+        model_config = ModelConfig(
+            model=self.model,
+            tokenizer=self.tokenizer or self.model,
+            hf_config=hf_config,
+            dtype=resolve_dtype(
+                self.dtype, getattr(hf_config, "torch_dtype", None), device_config.device
+            ),
+            max_model_len=max_model_len,
+            seed=self.seed,
+            served_model_name=self.served_model_name,
+            trust_remote_code=self.trust_remote_code,
+            eos_token_ids=get_eos_token_ids(self.model, hf_config, generation_config),
+            generation_config=generation_config,
+        )
+        max_num_batched_tokens = self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        if not self.enable_chunked_prefill:
+            max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
+        scheduler_config = SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            policy=self.scheduling_policy,
+        )
+        cache_config = CacheConfig(
+            block_size=self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            kv_cache_memory=self.kv_cache_memory,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+        )
+        parallel_config = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
+        )
+        extra: dict[str, Any] = {}
+        if self.speculative_config:
+            extra["speculative_config"] = dict(self.speculative_config)
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=cache_config,
+            scheduler_config=scheduler_config,
+            parallel_config=parallel_config,
+            device_config=device_config,
+            enforce_eager=self.enforce_eager,
+            extra=extra,
+        )
+
+    def _resolve_max_model_len(self, hf_config: Any) -> int:
+        derived = getattr(hf_config, "max_position_embeddings", None) or 2048
+        if self.max_model_len is None:
+            return derived
+        if self.max_model_len <= 0:
+            raise ValueError(f"max_model_len={self.max_model_len} must be positive")
+        if self.max_model_len > derived:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is larger than the model's "
+                f"max_position_embeddings={derived}"
+            )
+        return self.max_model_len
+
+    # ---- command line -------------------------------------------------------------------
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Add one `--flag-name` per field (vLLM's spelling); booleans get `--no-...` too."""
+        group = parser.add_argument_group("engine arguments")
+        for f in fields(EngineArgs):
+            if f.name == "model":
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default
+            help_text = _HELP.get(f.name, "")
+            if f.type in ("bool", bool):
+                group.add_argument(
+                    flag,
+                    action=argparse.BooleanOptionalAction,
+                    default=default,
+                    help=help_text,
+                )
+            elif f.name == "speculative_config":
+                group.add_argument(flag, type=json.loads, default=None, help=help_text)
+            else:
+                group.add_argument(
+                    flag, type=_cli_type(f), default=default, help=help_text
+                )
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> EngineArgs:
+        return dataclasses.replace(self, **changes)
+
+
+def _cli_type(f: dataclasses.Field) -> Any:
+    text = str(f.type)
+    if "int" in text:
+        return int
+    if "float" in text:
+        return float
+    return str
+
+
+_HELP = {
+    "tokenizer": "Tokenizer directory (default: the model directory).",
+    "dtype": "auto, bfloat16, float16 or float32 (auto: bf16 on the CPU).",
+    "max_model_len": "Longest prompt + output (default: the model's max_position_embeddings).",
+    "block_size": "Tokens per KV-cache block.",
+    "enable_prefix_caching": "Reuse KV blocks of shared prompt prefixes.",
+    "enable_chunked_prefill": "Split long prompts over several steps.",
+    "max_num_batched_tokens": "Token budget of one step.",
+    "max_num_seqs": "Most requests running at once.",
+    "kv_cache_memory": "KV-cache size in bytes (CPU).",
+    "num_gpu_blocks_override": "Number of KV blocks, overriding the computed one.",
+    "scheduling_policy": "fcfs or priority (lower value first).",
+    "device": "auto, cpu or cuda.",
+    "speculative_config": 'JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'.',
+}

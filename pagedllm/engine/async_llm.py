@@ -1,0 +1,305 @@
+"""AsyncLLM: the asyncio front end that the OpenAI server runs on.
+
+Requests are validated and tokenized here (`Processor`), sent to an `EngineCoreProc` through
+`AsyncMPClient`, and their outputs come back through one output-handler task: it awaits the
+client, turns `EngineCoreOutputs` into `RequestOutput`s (`OutputProcessor`, which detokenizes
+and checks stop strings) and puts each into its request's `RequestOutputCollector`. The
+consumer of `generate()` takes from that collector, so a slow consumer never stalls the
+handler (DELTA outputs are merged while it lags). Stat loggers are fed from the same task.
+
+If the engine process dies, every pending request gets `EngineDeadError`, and so does every
+new one; `errored` turns true and `check_health()` raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import msgspec
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.core_client import AsyncMPClient, EngineCoreClient
+from pagedllm.engine.exceptions import EngineDeadError, EngineGenerateError
+from pagedllm.engine.output_processor import OutputProcessor, RequestOutputCollector
+from pagedllm.engine.parallel_sampling import ParentRequest
+from pagedllm.engine.processor import Processor, PromptType
+from pagedllm.metrics.loggers import LoggingStatLogger, StatLoggerBase
+from pagedllm.metrics.prometheus import PrometheusStatLogger
+from pagedllm.metrics.stats import IterationStats
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+STATS_INTERVAL_ENV = "PAGEDLLM_LOG_STATS_INTERVAL"
+# Outputs processed between two yields to the event loop, so a big batch of outputs does not
+# hold up the HTTP side.
+_OUTPUT_CHUNK_SIZE = 128
+
+
+class AsyncLLM:
+    """An engine for asyncio servers.
+
+    Contract: use it from one event loop. `generate()` yields `RequestOutput`s per
+    `sampling_params.output_kind` (CUMULATIVE: whole text so far; DELTA: only what is new;
+    FINAL_ONLY: one output at the end); the last one has `finished=True`. Closing or
+    cancelling the generator early aborts the request in the engine core, which frees its KV
+    blocks. Bad input raises `ValueError` before anything is scheduled.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        log_stats: bool = True,
+        log_requests: bool = True,
+        stat_loggers: list[StatLoggerBase] | None = None,
+        engine_core_cls: type | None = None,
+        tokenizer: Any = None,
+    ) -> None:
+        from pagedllm.transformers_utils.tokenizer import get_tokenizer
+
+        self.config = config
+        self.model_config = config.model_config
+        self.log_stats = log_stats
+        self.log_requests = log_requests
+        mc = config.model_config
+        if tokenizer is None:
+            tokenizer = get_tokenizer(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
+        self.tokenizer = tokenizer
+        self.processor = Processor(config, tokenizer)
+        self.output_processor = OutputProcessor(tokenizer, log_stats=log_stats)
+        self.engine_core: AsyncMPClient = EngineCoreClient.make_client(  # type: ignore[assignment]
+            config, multiprocess_mode=True, asyncio_mode=True, engine_core_cls=engine_core_cls
+        )
+        self.prometheus: PrometheusStatLogger | None = None
+        if stat_loggers is None and log_stats:
+            self.prometheus = PrometheusStatLogger(
+                mc.name,
+                max_model_len=mc.max_model_len,
+                num_blocks=self.engine_core.num_blocks,
+                block_size=config.cache_config.block_size,
+            )
+            stat_loggers = [LoggingStatLogger(), self.prometheus]
+        self.stat_loggers: list[StatLoggerBase] = list(stat_loggers or [])
+        self.stats_interval_s = float(os.environ.get(STATS_INTERVAL_ENV, "10"))
+        self._output_handler: asyncio.Task | None = None
+        self._stats_task: asyncio.Task | None = None
+        self._error: BaseException | None = None
+        self._shutdown = False
+
+    @classmethod
+    def from_engine_args(cls, engine_args: Any, **kwargs: Any) -> AsyncLLM:
+        """Build from `EngineArgs`; `log_stats` defaults to `not engine_args.disable_log_stats`."""
+        kwargs.setdefault("log_stats", not getattr(engine_args, "disable_log_stats", False))
+        return cls(engine_args.create_engine_config(), **kwargs)
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig, **kwargs: Any) -> AsyncLLM:
+        return cls(config, **kwargs)
+
+    # --------------------------------------------------------------------------- state
+
+    @property
+    def errored(self) -> bool:
+        return self._error is not None or self.engine_core.is_dead
+
+    @property
+    def dead_error(self) -> EngineDeadError:
+        if isinstance(self._error, EngineDeadError):
+            return self._error
+        return self.engine_core._dead_error or EngineDeadError()
+
+    @property
+    def is_running(self) -> bool:
+        return not self._shutdown and not self.errored
+
+    async def check_health(self) -> None:
+        """Raises `EngineDeadError` if the engine core is gone."""
+        if self.errored:
+            raise self.dead_error
+
+    async def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    async def get_model_config(self) -> Any:
+        return self.model_config
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self.engine_core.call_utility_async("reset_prefix_cache"))
+
+    # --------------------------------------------------------------------------- requests
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> RequestOutputCollector:
+        """Validate, register and send one request; its outputs arrive in the returned
+        collector. Raises ValueError (bad input) or EngineDeadError."""
+        if self.errored:
+            raise self.dead_error
+        self._start_background_tasks()
+        prompt_text, request = self.processor.process_inputs(
+            request_id, prompt, params, arrival_time, priority
+        )
+        queue = RequestOutputCollector(request.sampling_params.output_kind)
+        n = request.sampling_params.n
+        if n == 1:
+            children = [(request, None, 0)]
+        else:
+            parent = ParentRequest(request_id, request.sampling_params)
+            children = []
+            for i in range(n):
+                child_id, child_params = parent.get_child_info(i)
+                child = msgspec.structs.replace(
+                    request, request_id=child_id, sampling_params=child_params
+                )
+                children.append((child, parent, i))
+        added: list[str] = []
+        try:
+            for child, parent_req, index in children:
+                self.output_processor.add_request(child, prompt_text, parent_req, index, queue)
+                added.append(child.request_id)
+                await self.engine_core.add_request_async(child)
+        except BaseException:
+            self.output_processor.abort_requests(added)
+            if n > 1:
+                self.output_processor.abort_requests([request_id])
+            raise
+        return queue
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Yield the request's outputs until it finishes (see the class contract)."""
+        start = time.monotonic()
+        arrival = time.time()
+        queue: RequestOutputCollector | None = None
+        delta = sampling_params.output_kind == RequestOutputKind.DELTA
+        num_output_tokens: dict[int, int] = {}
+        try:
+            queue = await self.add_request(
+                request_id, prompt, sampling_params, arrival_time=arrival, priority=priority
+            )
+            finished = False
+            while not finished:
+                out = queue.get_nowait() or await queue.get()
+                finished = out.finished
+                for c in out.outputs:
+                    n_tok = len(c.token_ids)
+                    num_output_tokens[c.index] = (
+                        num_output_tokens.get(c.index, 0) + n_tok if delta else n_tok
+                    )
+                if finished and self.log_requests:
+                    logger.info(
+                        "Finished request %s: prompt_tokens=%d, output_tokens=%d, "
+                        "finish_reason=%s, time=%.3fs",
+                        request_id,
+                        len(out.prompt_token_ids),
+                        sum(num_output_tokens.values()),
+                        ",".join(str(c.finish_reason) for c in out.outputs),
+                        time.monotonic() - start,
+                    )
+                yield out
+        except (asyncio.CancelledError, GeneratorExit):
+            if queue is not None:
+                self._abort_nowait(request_id, reason="client went away")
+            raise
+        except (EngineDeadError, ValueError):
+            raise
+        except Exception as e:
+            if queue is not None:
+                self._abort_nowait(request_id, reason=str(e))
+            raise EngineGenerateError(f"request {request_id} failed: {e}") from e
+
+    async def abort(self, request_id: str | list[str]) -> None:
+        """Abort requests (ids as passed to `generate`); their KV blocks are freed."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            self._abort_nowait(rid, reason="aborted by the caller")
+
+    def _abort_nowait(self, request_id: str, reason: str) -> None:
+        core_ids = self.output_processor.abort_requests([request_id])
+        if not core_ids:
+            return
+        try:
+            self.engine_core.abort_requests_nowait(core_ids)
+        except EngineDeadError:
+            return
+        if self.log_requests:
+            logger.info("Aborted request %s (%s)", request_id, reason)
+
+    # --------------------------------------------------------------------------- background
+
+    def _start_background_tasks(self) -> None:
+        if self._output_handler is None:
+            self._output_handler = asyncio.get_running_loop().create_task(
+                self._run_output_handler(), name="AsyncLLM.output_handler"
+            )
+        if self._stats_task is None and self.stat_loggers and self.stats_interval_s > 0:
+            self._stats_task = asyncio.get_running_loop().create_task(
+                self._run_stats_logging(), name="AsyncLLM.stats"
+            )
+
+    async def _run_output_handler(self) -> None:
+        try:
+            while True:
+                outputs = await self.engine_core.get_output_async()
+                stats = IterationStats() if self.log_stats else None
+                batch = outputs.outputs
+                for start in range(0, max(len(batch), 1), _OUTPUT_CHUNK_SIZE):
+                    chunk = batch[start : start + _OUTPUT_CHUNK_SIZE]
+                    processed = self.output_processor.process_outputs(
+                        chunk, outputs.timestamp, stats
+                    )
+                    if processed.reqs_to_abort:
+                        await self.engine_core.abort_requests_async(processed.reqs_to_abort)
+                    if start + _OUTPUT_CHUNK_SIZE < len(batch):
+                        await asyncio.sleep(0)
+                for stat_logger in self.stat_loggers:
+                    stat_logger.record(outputs.scheduler_stats, stats)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            error = e if isinstance(e, EngineDeadError) else EngineDeadError(f"({e})")
+            if not isinstance(e, EngineDeadError):
+                logger.exception("AsyncLLM output handler failed")
+            self._error = error
+            self._propagate_error(error)
+
+    def _propagate_error(self, error: Exception) -> None:
+        for state in list(self.output_processor.request_states.values()):
+            if state.queue is not None:
+                state.queue.put(error)
+        self.output_processor.request_states.clear()
+        self.output_processor.parents.clear()
+
+    async def _run_stats_logging(self) -> None:
+        while True:
+            await asyncio.sleep(self.stats_interval_s)
+            for stat_logger in self.stat_loggers:
+                stat_logger.log()
+
+    def shutdown(self) -> None:
+        """Stop the background tasks and the engine process. Idempotent."""
+        self._shutdown = True
+        for task in (self._output_handler, self._stats_task):
+            if task is not None and not task.done():
+                try:
+                    task.cancel()
+                except RuntimeError:
+                    pass  # its event loop is already closed
+        self.engine_core.shutdown()

@@ -1,0 +1,80 @@
+"""EngineCore: the scheduler and the executor, stepped together.
+
+`step()` is the whole engine in three lines: the scheduler picks this step's tokens, the
+executor runs them, the scheduler folds the sampled tokens back into its requests and reports
+what is new. `EngineCoreProc` (core_proc.py) runs this same object in its own process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.sched.scheduler import Scheduler
+from pagedllm.engine import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.executor.abstract import Executor
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Owns the Scheduler and the Executor. Not thread-safe: one caller steps it."""
+
+    def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None):
+        self.config = config
+        t0 = time.monotonic()
+        self.executor = (executor_class or Executor.get_class(config))(config)
+        self.num_blocks = self._initialize_kv_cache()
+        self.scheduler = Scheduler(config)
+        logger.info(
+            "EngineCore ready in %.1fs: %d KV blocks of %d tokens (%d tokens)",
+            time.monotonic() - t0,
+            self.num_blocks,
+            config.cache_config.block_size,
+            self.num_blocks * config.cache_config.block_size,
+        )
+
+    def _initialize_kv_cache(self) -> int:
+        cache = self.config.cache_config
+        num_blocks = self.executor.determine_num_kv_blocks()
+        max_len = self.config.model_config.max_model_len
+        needed = -(-max_len // cache.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {cache.block_size} tokens, fewer "
+                f"than one request of max_model_len={max_len} needs ({needed} blocks); raise "
+                "kv_cache_memory (or num_gpu_blocks_override / gpu_memory_utilization) or "
+                "lower max_model_len"
+            )
+        cache.num_blocks = num_blocks
+        self.executor.initialize_kv_cache(num_blocks)
+        return num_blocks
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        if request.request_id in self.scheduler.requests:
+            raise ValueError(f"request_id={request.request_id!r} is already running")
+        self.scheduler.add_request(Request.from_engine_core_request(request))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        if not self.scheduler.has_requests():
+            return EngineCoreOutputs(outputs=[], scheduler_stats=self.scheduler.make_stats())
+        scheduler_output = self.scheduler.schedule()
+        model_output = self.executor.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, model_output)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def get_num_blocks(self) -> int:
+        return self.num_blocks
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,49 @@
+"""n > 1: one user request fans out into n child requests of n=1 in the engine core; the
+ParentRequest gathers the children's completions back into one RequestOutput."""
+
+from __future__ import annotations
+
+from pagedllm.outputs import CompletionOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+class ParentRequest:
+    def __init__(self, request_id: str, sampling_params: SamplingParams) -> None:
+        self.request_id = request_id
+        self.sampling_params = sampling_params
+        self.n = sampling_params.n
+        self.child_ids: list[str] = []
+        self.completions: list[CompletionOutput | None] = [None] * self.n
+        self.num_finished = 0
+
+    def get_child_info(self, index: int) -> tuple[str, SamplingParams]:
+        """Child `index`'s request id and params (n=1; a seeded request gets seed + index so
+        the children differ yet stay reproducible)."""
+        params = self.sampling_params.clone()
+        params.n = 1
+        if params.seed is not None:
+            params.seed = params.seed + index
+        child_id = f"{index}_{self.request_id}"
+        self.child_ids.append(child_id)
+        return child_id, params
+
+    def add_child_output(
+        self, index: int, completion: CompletionOutput
+    ) -> list[CompletionOutput] | None:
+        """Record a child's output; return the completions to report now, or None to wait."""
+        if completion.finished():
+            self.num_finished += 1
+        kind = self.sampling_params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY:
+            self.completions[index] = completion
+            if self.num_finished < self.n:
+                return None
+            return [c for c in self.completions if c is not None]
+        if kind == RequestOutputKind.DELTA:
+            return [completion]
+        self.completions[index] = completion
+        return [c for c in self.completions if c is not None]
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished == self.n

@@ -1,0 +1,120 @@
+"""Processor: validates a user request and turns it into an `EngineCoreRequest`.
+
+Everything that can be wrong with a request is found here, before anything is scheduled, and
+raised as a `ValueError` that names the field and the value.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Union
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine import EngineCoreRequest
+from pagedllm.sampling_params import SamplingParams
+
+# vLLM's prompt forms: a string, {"prompt": str}, or {"prompt_token_ids": [...]}.
+PromptType = Union[str, dict[str, Any]]
+
+MAX_LOGPROBS = 20
+
+
+class Processor:
+    def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
+        self.config = config
+        self.model_config = config.model_config
+        self.tokenizer = tokenizer
+        self.max_model_len = config.model_config.max_model_len
+        self.vocab_size = config.model_config.vocab_size
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            text = prompt
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in ids
+            ):
+                raise ValueError(
+                    f"prompt_token_ids must be a list of integers, got {str(ids)[:100]!r}"
+                )
+            return prompt.get("prompt"), list(ids)
+        elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+            text = prompt["prompt"]
+        else:
+            raise ValueError(
+                "prompt must be a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}, "
+                f"got {type(prompt).__name__}: {str(prompt)[:100]!r}"
+            )
+        if text == "":
+            raise ValueError("prompt must not be empty, got ''")
+        return text, self.tokenizer.encode(text)
+
+    def process_inputs(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> tuple[str | None, EngineCoreRequest]:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(
+                f"sampling_params must be a SamplingParams, got {type(params).__name__}"
+            )
+        if priority != 0 and self.config.scheduler_config.policy != "priority":
+            raise ValueError(
+                f"priority={priority} needs scheduling_policy='priority' (it is "
+                f"{self.config.scheduler_config.policy!r})"
+            )
+        prompt_text, prompt_ids = self.tokenize_prompt(prompt)
+        self._validate_prompt(prompt_ids)
+        params = self._validate_params(params, len(prompt_ids))
+        eos = self.model_config.eos_token_ids
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            sampling_params=params,
+            arrival_time=arrival_time if arrival_time is not None else time.time(),
+            priority=priority,
+            eos_token_id=eos[0] if eos else None,
+        )
+        return prompt_text, request
+
+    def _validate_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt must not be empty (it has 0 tokens)")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens, but max_model_len is "
+                f"{self.max_model_len}: it must be shorter, to leave room for at least one "
+                "output token"
+            )
+        lo, hi = min(prompt_ids), max(prompt_ids)
+        if lo < 0 or hi >= self.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(
+                f"prompt token id {bad} is out of the vocabulary (0..{self.vocab_size - 1})"
+            )
+
+    def _validate_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > MAX_LOGPROBS:
+                raise ValueError(f"{name}={value} is more than the maximum ({MAX_LOGPROBS})")
+        for name in ("allowed_token_ids", "stop_token_ids"):
+            ids = getattr(params, name) or []
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} has token ids out of the vocabulary: {bad[:10]}")
+        if params.logit_bias:
+            bad = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"logit_bias has token ids out of the vocabulary: {bad[:10]}")
+        params = params.clone()
+        if params.max_tokens is None:
+            params.max_tokens = self.max_model_len - prompt_len
+        params.update_from_generation_config(
+            self.model_config.generation_config, self.model_config.eos_token_ids
+        )
+        return params

@@ -1,0 +1,63 @@
+"""`pagedllm serve [MODEL_DIR]`: the OpenAI-compatible server, with vLLM's flags.
+
+With no model (positional or `--model`), it serves the built-in demo model, built on first
+use into the user's cache directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from pagedllm.entrypoints.openai.cli_args import make_arg_parser
+
+    parser = subparsers.add_parser(
+        "serve",
+        help="start the OpenAI-compatible HTTP server",
+        description="Start the OpenAI-compatible HTTP server (vLLM's flags).",
+    )
+    parser.add_argument(
+        "model_tag", nargs="?", default=None, help="checkpoint directory (default: demo model)"
+    )
+    parser.add_argument("--model", default=None, help="checkpoint directory (same as MODEL)")
+    make_arg_parser(parser)
+    parser.set_defaults(func=cmd, dispatch_function=cmd)
+
+
+def cmd(args: argparse.Namespace) -> int:
+    """Resolve the model directory and run the server until it is stopped."""
+    from pagedllm.entrypoints.openai.api_server import run_server
+
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(
+            f"two models given: MODEL={args.model_tag!r} and --model={args.model!r}; pass one"
+        )
+    args.model = args.model_tag or args.model
+    if not args.model:
+        args.model = demo_model_dir()
+    run_server(args)
+    return 0
+
+
+def demo_model_dir() -> str:
+    """The built-in demo model, built on first use under `$XDG_CACHE_HOME/pagedllm` (or
+    `~/.cache/pagedllm`)."""
+    try:
+        from pagedllm.testing.demo_model import default_demo_model_dir
+    except ImportError:
+        default_demo_model_dir = None
+    if default_demo_model_dir is not None:
+        return default_demo_model_dir()
+    from pagedllm.testing import make_demo_model
+
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    path = os.path.join(cache, "pagedllm", "demo-model")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        logger.info("Building the demo model in %s (first use)", path)
+        make_demo_model(path, preset="demo")
+    return path

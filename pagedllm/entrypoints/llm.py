@@ -1,0 +1,141 @@
+"""`LLM`: offline batched generation, vLLM's public face."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.processor import PromptType
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+# generation_config.json keys that become SamplingParams defaults (vLLM's behaviour).
+_GENERATION_DEFAULTS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "max_new_tokens",
+)
+
+
+class LLM:
+    """An engine for offline inference: `LLM(model=DIR, **engine_args).generate(prompts)`.
+
+    Keyword arguments are `EngineArgs` fields (vLLM's names); an unknown one is a ValueError.
+    """
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(engine_args)
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.get_tokenizer()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        gen = self.llm_engine.config.model_config.generation_config
+        kwargs = {k: gen[k] for k in _GENERATION_DEFAULTS if gen.get(k) is not None}
+        if "max_new_tokens" in kwargs:
+            kwargs["max_tokens"] = kwargs.pop("max_new_tokens")
+        if not gen.get("do_sample", True) and "temperature" not in kwargs:
+            kwargs["temperature"] = 0.0
+        return SamplingParams(**kwargs)
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in the prompts' order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params = self._per_prompt(sampling_params, len(prompts), "sampling_params")
+        priorities = self._per_prompt(priority or 0, len(prompts), "priority")
+        # Validate and tokenize everything before the first request is scheduled.
+        engine = self.llm_engine
+        ids = [str(next(self._request_counter)) for _ in prompts]
+        added: list[str] = []
+        try:
+            for rid, prompt, sp, prio in zip(ids, prompts, params, priorities):
+                sp = sp.clone()
+                sp.output_kind = RequestOutputKind.FINAL_ONLY
+                engine.add_request(rid, prompt, sp, priority=prio)
+                added.append(rid)
+        except Exception:
+            engine.abort_request(added)
+            raise
+        return self._run_engine(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to each conversation, then generate."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        tokenizer = self.get_tokenizer()
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            ids = tokenizer.apply_chat_template(
+                conv,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+                tokenize=True,
+            )
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
+    def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in results])
+            raise
+        finally:
+            bar.close()
+        return [results[i] for i in ids]
+
+    @staticmethod
+    def _per_prompt(value: Any, n: int, name: str) -> list[Any]:
+        if isinstance(value, (list, tuple)):
+            if len(value) != n:
+                raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+            return list(value)
+        return [value] * n
+
+    def __del__(self) -> None:
+        engine = getattr(self, "llm_engine", None)
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception:
+                pass

@@ -1,0 +1,212 @@
+"""`POST /v1/completions`: one engine request per prompt (string, strings, token ids, or lists
+of token ids), `n` choices each; choice index = prompt index * n + output index."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from pagedllm.entrypoints.openai.protocol import (
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+    random_uuid,
+)
+from pagedllm.entrypoints.openai.serving_engine import (
+    OpenAIError,
+    OpenAIServing,
+    merge_async_iterators,
+)
+from pagedllm.outputs import RequestOutput
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """Completions handler. `create_completion` returns a `CompletionResponse`, or for
+    `stream=true` an async generator of server-sent-event strings ending in `[DONE]`."""
+
+    def _prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
+        """(text or None, token ids) per prompt, in request order."""
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not isinstance(prompt, list) or len(prompt) == 0:
+            raise OpenAIError(
+                "prompt must be a non-empty string, list or token list", param="prompt"
+            )
+        if all(isinstance(t, int) for t in prompt):
+            prompt = [prompt]
+        result: list[tuple[str | None, list[int]]] = []
+        for p in prompt:
+            if isinstance(p, str):
+                result.append((p, self.tokenize_text(p, add_special_tokens=True)))
+            elif isinstance(p, list) and p and all(isinstance(t, int) for t in p):
+                result.append((None, list(p)))
+            else:
+                raise OpenAIError(
+                    "prompt must be a non-empty string, list of strings, list of token ids or "
+                    f"list of token-id lists; got an element {str(p)[:50]!r}",
+                    param="prompt",
+                )
+        return result
+
+    async def create_completion(
+        self, request: CompletionRequest, request_id: str | None = None
+    ) -> CompletionResponse | AsyncGenerator[str, None]:
+        self.check_request(request.model)
+        if request.suffix:
+            raise OpenAIError("suffix is not supported", param="suffix")
+        if request.best_of is not None and request.best_of != request.n:
+            raise OpenAIError(
+                f"best_of={request.best_of} is not supported unless it equals n={request.n}",
+                param="best_of",
+            )
+        request_id = f"cmpl-{request.request_id or request_id or random_uuid()}"
+        created = int(time.time())
+        prompts = self._prompts(request.prompt)
+        generators = []
+        for i, (text, ids) in enumerate(prompts):
+            max_tokens = self.resolve_max_tokens(len(ids), request.max_tokens, "prompt")
+            try:
+                params = request.to_sampling_params(max_tokens, self.default_sampling)
+            except ValueError as e:
+                raise OpenAIError(str(e)) from e
+            engine_prompt = {"prompt_token_ids": ids, "prompt": text}
+            sub_id = f"{request_id}-{i}"
+            self.validate(sub_id, engine_prompt, params, request.priority)
+            generators.append(
+                self.engine.generate(engine_prompt, params, sub_id, priority=request.priority)
+            )
+        results = merge_async_iterators(*generators)
+        if request.stream:
+            return self._stream(request, request_id, created, prompts, results)
+        final: list[RequestOutput | None] = [None] * len(prompts)
+        try:
+            async for i, res in results:
+                final[i] = res
+        except Exception as e:
+            raise OpenAIError.from_exception(e) from e
+        return self._full_response(request, request_id, created, prompts, final)
+
+    def _full_response(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        created: int,
+        prompts: list[tuple[str | None, list[int]]],
+        final: list[RequestOutput | None],
+    ) -> CompletionResponse:
+        choices: list[CompletionResponseChoice] = []
+        num_prompt_tokens = num_generated = 0
+        for i, res in enumerate(final):
+            assert res is not None
+            prompt_text = prompts[i][0]
+            if prompt_text is None:
+                prompt_text = self.tokenizer.decode(res.prompt_token_ids)
+            num_prompt_tokens += len(res.prompt_token_ids)
+            for out in sorted(res.outputs, key=lambda o: o.index):
+                num_generated += len(out.token_ids)
+                text, token_ids = out.text, list(out.token_ids)
+                step_logprobs: list = list(out.logprobs or [])
+                if request.echo:
+                    text = prompt_text + text
+                    token_ids = list(res.prompt_token_ids) + token_ids
+                    step_logprobs = list(res.prompt_logprobs or [None] * len(res.prompt_token_ids))
+                    step_logprobs += list(out.logprobs or [])
+                logprobs = None
+                if request.logprobs is not None:
+                    logprobs = self.completion_logprobs(token_ids, step_logprobs)
+                choices.append(
+                    CompletionResponseChoice(
+                        index=i * request.n + out.index,
+                        text=text,
+                        logprobs=logprobs,
+                        finish_reason=out.finish_reason,
+                        stop_reason=out.stop_reason,
+                    )
+                )
+        usage = UsageInfo(
+            prompt_tokens=num_prompt_tokens,
+            completion_tokens=num_generated,
+            total_tokens=num_prompt_tokens + num_generated,
+        )
+        return CompletionResponse(
+            id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+        )
+
+    async def _stream(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        created: int,
+        prompts: list[tuple[str | None, list[int]]],
+        results: AsyncGenerator[tuple[int, RequestOutput], None],
+    ) -> AsyncGenerator[str, None]:
+        n = request.n
+        echoed = [False] * (len(prompts) * n)
+        text_offsets = [0] * (len(prompts) * n)
+        num_generated = [0] * (len(prompts) * n)
+        prompt_lens = [len(ids) for _, ids in prompts]
+        try:
+            async for i, res in results:
+                for out in res.outputs:
+                    index = i * n + out.index
+                    text, token_ids = out.text, list(out.token_ids)
+                    step_logprobs: list = list(out.logprobs or [])
+                    if request.echo and not echoed[index]:
+                        echoed[index] = True
+                        prompt_text = prompts[i][0]
+                        if prompt_text is None:
+                            prompt_text = self.tokenizer.decode(res.prompt_token_ids)
+                        text = prompt_text + text
+                        token_ids = list(res.prompt_token_ids) + token_ids
+                        prompt_lp = res.prompt_logprobs or [None] * len(res.prompt_token_ids)
+                        step_logprobs = list(prompt_lp) + step_logprobs
+                    num_generated[index] += len(out.token_ids)
+                    if not text and not token_ids and out.finish_reason is None:
+                        continue
+                    logprobs = None
+                    if request.logprobs is not None:
+                        logprobs = self.completion_logprobs(
+                            token_ids, step_logprobs, text_offsets[index]
+                        )
+                    text_offsets[index] += len(text)
+                    chunk = CompletionStreamResponse(
+                        id=request_id,
+                        created=created,
+                        model=self.model_name,
+                        choices=[
+                            CompletionResponseStreamChoice(
+                                index=index,
+                                text=text,
+                                logprobs=logprobs,
+                                finish_reason=out.finish_reason,
+                                stop_reason=out.stop_reason,
+                            )
+                        ],
+                    )
+                    if request.continuous_usage:
+                        chunk.usage = _usage(prompt_lens[i], num_generated[index])
+                    yield f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
+            if request.include_usage_in_stream:
+                usage = _usage(sum(prompt_lens), sum(num_generated))
+                final = CompletionStreamResponse(
+                    id=request_id, created=created, model=self.model_name, choices=[], usage=usage
+                )
+                yield f"data: {final.model_dump_json(exclude_unset=True)}\n\n"
+        except Exception as e:
+            error = OpenAIError.from_exception(e).to_response()
+            yield f"data: {error.model_dump_json()}\n\n"
+        finally:
+            await results.aclose()
+        yield "data: [DONE]\n\n"
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )

@@ -1,0 +1,31 @@
+"""Hidden states -> full-vocabulary float32 logits."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.distributed import tp_all_gather
+from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
+
+
+class LogitsProcessor(nn.Module):
+    """Projects hidden states with an LM head (a `ParallelLMHead`, or the embedding when tied),
+    gathers the vocabulary slices of all tensor-parallel ranks, trims the padding rows and
+    returns float32 logits, optionally multiplied by `scale`."""
+
+    def __init__(self, vocab_size: int, scale: float = 1.0) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.scale = scale
+
+    def forward(self, lm_head: VocabParallelEmbedding, hidden_states: torch.Tensor) -> torch.Tensor:
+        # hidden_states [N, hidden] -> local logits [N, V_p] -> gathered [N, V_p * tp]
+        bias = getattr(lm_head, "bias", None)
+        logits = F.linear(hidden_states, lm_head.weight, bias)
+        logits = tp_all_gather(logits, dim=-1)[:, : self.vocab_size]
+        logits = logits.float()
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        return logits  # [N, vocab_size] float32

@@ -1,0 +1,107 @@
+"""Token embedding and LM head, split over tensor-parallel ranks along the vocabulary.
+
+Rank r owns token ids `[r * V_p, (r + 1) * V_p)` with `V_p = ceil(vocab / tp)`; the last
+rank's table is padded past the real vocabulary (padding rows stay zero and their logits are
+trimmed off). With tied embeddings the LM head *is* the embedding module (one parameter).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.distributed import get_tp_rank, get_tp_world_size, tp_all_reduce
+from pagedllm.layers.linear import set_weight_loader
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table [V_p, embedding_dim] holding this rank's slice of the vocabulary."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        params_dtype: torch.dtype | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        self.prefix = prefix
+        self.tp_size = get_tp_world_size()
+        self.tp_rank = get_tp_rank()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.num_embeddings_per_partition = -(-num_embeddings // self.tp_size)
+        self.vocab_start = self.tp_rank * self.num_embeddings_per_partition
+        self.vocab_end = min(self.vocab_start + self.num_embeddings_per_partition, num_embeddings)
+        dtype = params_dtype or torch.get_default_dtype()
+        self.weight = nn.Parameter(
+            torch.empty(self.num_embeddings_per_partition, embedding_dim, dtype=dtype),
+            requires_grad=False,
+        )
+        set_weight_loader(self.weight, self.weight_loader)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: object = None
+    ) -> None:
+        if loaded_weight.shape != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(
+                f"{self.prefix}: checkpoint tensor of shape {tuple(loaded_weight.shape)} does not "
+                f"match vocab_size x hidden = ({self.num_embeddings}, {self.embedding_dim})"
+            )
+        rows = self.vocab_end - self.vocab_start
+        param.data[:rows].copy_(loaded_weight[self.vocab_start : self.vocab_end])
+        param.data[rows:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # input_ids [T] -> [T, embedding_dim]
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        ids = torch.where(local, input_ids - self.vocab_start, 0)
+        out = F.embedding(ids, self.weight) * local.unsqueeze(-1).to(self.weight.dtype)
+        return tp_all_reduce(out)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, "
+            f"per_partition={self.num_embeddings_per_partition}"
+        )
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection hidden -> vocabulary logits, same sharding as the embedding.
+
+    It is not called directly: `LogitsProcessor` multiplies hidden states by its `weight`
+    (and `bias`) and gathers the vocabulary slices.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        bias: bool = False,
+        params_dtype: torch.dtype | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__(num_embeddings, embedding_dim, params_dtype, prefix)
+        if bias:
+            self.bias = nn.Parameter(
+                torch.empty(self.num_embeddings_per_partition, dtype=self.weight.dtype),
+                requires_grad=False,
+            )
+            set_weight_loader(self.bias, self._bias_loader)
+        else:
+            self.register_parameter("bias", None)
+
+    def _bias_loader(self, param, loaded_weight, shard_id=None) -> None:
+        rows = self.vocab_end - self.vocab_start
+        param.data[:rows].copy_(loaded_weight[self.vocab_start : self.vocab_end])
+        param.data[rows:].zero_()
+
+    def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> VocabParallelEmbedding:
+        """Return the module to use as LM head when input and output embeddings are tied."""
+        return embed_tokens
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("ParallelLMHead is applied through LogitsProcessor, not called")

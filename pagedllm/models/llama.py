@@ -1,0 +1,325 @@
+"""Llama-family decoder (Llama 2/3/3.x, Mistral), parametrised for its close relatives.
+
+A pre-norm decoder: embed -> N x [RMSNorm -> attention (GQA, RoPE) -> add -> RMSNorm ->
+SwiGLU MLP -> add] -> RMSNorm -> LM head. The residual add is fused into the next norm. The
+variants differ only in where biases sit and whether q/k are RMS-normed per head
+(`LlamaLayerSpec`); Qwen2 and Qwen3 subclass `LlamaForCausalLM` and override `layer_spec`.
+
+All tokens of a step are one flattened sequence [T]; `attn_metadata` (built by the attention
+backend) tells each attention layer which request every row belongs to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.attention.layer import Attention
+from pagedllm.config import EngineConfig
+from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
+from pagedllm.layers.logits_processor import LogitsProcessor
+from pagedllm.layers.rotary_embedding import (
+    RotaryEmbedding,
+    get_rope,
+    rope_parameters_from_config,
+)
+from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+
+
+@dataclass(frozen=True)
+class LlamaLayerSpec:
+    """What distinguishes the members of the family inside a decoder layer."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each q and k head before RoPE (Qwen3)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def get_head_dim(hf_config: Any) -> int:
+    return getattr(hf_config, "head_dim", None) or (
+        hf_config.hidden_size // hf_config.num_attention_heads
+    )
+
+
+def check_sliding_window(hf_config: Any, max_model_len: int) -> None:
+    """Sliding-window attention is not implemented; it is harmless only while no sequence can
+    be longer than the window."""
+    uses = getattr(hf_config, "use_sliding_window", None)
+    window = getattr(hf_config, "sliding_window", None)
+    if uses is None:
+        uses = window is not None
+    if uses and window is not None and max_model_len > window:
+        raise ValueError(
+            f"this checkpoint uses sliding-window attention (sliding_window={window}), which "
+            f"pagedllm does not implement; set max_model_len <= {window} (got {max_model_len})"
+        )
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one column-parallel GEMM."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str,
+        bias: bool = False,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"hidden_act={hidden_act!r} is not supported; only 'silu' is")
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=bias, prefix=_join(prefix, "gate_up_proj")
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias=bias, prefix=_join(prefix, "down_proj")
+        )
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # [T, 2 * I / tp]
+        return self.down_proj(self.act_fn(gate_up))  # [T, hidden]
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention: fused qkv projection, optional per-head q/k norm, RoPE, paged attention,
+    output projection."""
+
+    def __init__(
+        self,
+        hf_config: Any,
+        spec: LlamaLayerSpec,
+        rotary_emb: RotaryEmbedding,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        hidden_size = hf_config.hidden_size
+        num_heads = hf_config.num_attention_heads
+        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+        self.head_dim = get_head_dim(hf_config)
+        self.qkv_proj = QKVParallelLinear(
+            hidden_size,
+            self.head_dim,
+            num_heads,
+            num_kv_heads,
+            bias=spec.qkv_bias,
+            prefix=_join(prefix, "qkv_proj"),
+        )
+        self.o_proj = RowParallelLinear(
+            num_heads * self.head_dim, hidden_size, bias=spec.o_bias, prefix=_join(prefix, "o_proj")
+        )
+        self.q_size = self.qkv_proj.q_size  # local to this rank
+        self.kv_size = self.qkv_proj.kv_size
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=hf_config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=hf_config.rms_norm_eps)
+        self.qk_norm = spec.qk_norm
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(
+            self.qkv_proj.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            self.qkv_proj.num_kv_heads,
+            prefix=_join(prefix, "attn"),
+        )
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, attn_metadata: Any
+    ) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        qkv = self.qkv_proj(hidden_states)  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm:
+            q = self.q_norm(q.reshape(num_tokens, -1, self.head_dim)).view(num_tokens, -1)
+            k = self.k_norm(k.reshape(num_tokens, -1, self.head_dim)).view(num_tokens, -1)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v.contiguous(), attn_metadata)  # [T, H * D]
+        return self.o_proj(out)  # [T, hidden]
+
+
+class LlamaDecoderLayer(nn.Module):
+    """One pre-norm block; takes and returns the (hidden, residual) pair of the fused adds."""
+
+    def __init__(
+        self,
+        hf_config: Any,
+        spec: LlamaLayerSpec,
+        rotary_emb: RotaryEmbedding,
+        prefix: str = "",
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(hf_config, spec, rotary_emb, _join(prefix, "self_attn"))
+        self.mlp = LlamaMLP(
+            hf_config.hidden_size,
+            hf_config.intermediate_size,
+            hf_config.hidden_act,
+            bias=spec.mlp_bias,
+            prefix=_join(prefix, "mlp"),
+        )
+        eps = hf_config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, eps=eps)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps=eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        hidden_states: torch.Tensor,  # [T, hidden]
+        residual: torch.Tensor | None,  # [T, hidden] or None for the first layer
+        attn_metadata: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, attn_metadata)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (the checkpoint's `model.` subtree)."""
+
+    def __init__(self, *, config: EngineConfig, spec: LlamaLayerSpec, prefix: str = "") -> None:
+        super().__init__()
+        hf_config = config.model_config.hf_config
+        check_sliding_window(hf_config, config.model_config.max_model_len)
+        self.embed_tokens = VocabParallelEmbedding(
+            hf_config.vocab_size, hf_config.hidden_size, prefix=_join(prefix, "embed_tokens")
+        )
+        head_dim = get_head_dim(hf_config)
+        theta, rope_params = rope_parameters_from_config(hf_config)
+        partial = (rope_params or {}).get("partial_rotary_factor", 1.0)
+        max_pos = hf_config.max_position_embeddings
+        # One cos/sin table shared by every layer, long enough for any position served.
+        self.rotary_emb = get_rope(
+            head_dim,
+            int(head_dim * partial),
+            max_pos,
+            theta,
+            rope_params,
+            cache_len=max(max_pos, config.model_config.max_model_len),
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(hf_config, spec, self.rotary_emb, _join(prefix, f"layers.{i}"))
+            for i in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any
+    ) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states  # [T, hidden]
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama decoder with an LM head; the template every supported architecture follows.
+
+    Checkpoint names map onto parameters one to one except for the fused projections listed in
+    `packed_modules_mapping`; `load_weights` routes each checkpoint tensor to its parameter's
+    `weight_loader` (which takes this tensor-parallel rank's slice).
+    """
+
+    packed_modules_mapping: dict[str, list[str]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+    # shard_id each packed source name passes to the fused parameter's weight_loader.
+    _shard_ids: dict[str, object] = {
+        "q_proj": "q",
+        "k_proj": "k",
+        "v_proj": "v",
+        "gate_proj": 0,
+        "up_proj": 1,
+    }
+
+    @classmethod
+    def layer_spec(cls, hf_config: Any) -> LlamaLayerSpec:
+        bias = bool(getattr(hf_config, "attention_bias", False))
+        return LlamaLayerSpec(
+            qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(hf_config, "mlp_bias", False))
+        )
+
+    def __init__(self, *, config: EngineConfig, prefix: str = "") -> None:
+        super().__init__()
+        hf_config = config.model_config.hf_config
+        self.config = config
+        self.model = LlamaModel(
+            config=config, spec=self.layer_spec(hf_config), prefix=_join(prefix, "model")
+        )
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = ParallelLMHead(
+                hf_config.vocab_size, hf_config.hidden_size, prefix=_join(prefix, "lm_head")
+            )
+        self.logits_processor = LogitsProcessor(hf_config.vocab_size)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any
+    ) -> torch.Tensor:
+        """input_ids [T], positions [T] -> hidden states [T, hidden]."""
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states [N, hidden] -> float32 logits [N, vocab_size]."""
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load (checkpoint name, tensor) pairs; returns the parameter names that received
+        data. Unknown checkpoint names raise, except RoPE buffers and a tied LM head."""
+        params = dict(self.named_parameters())
+        packed = {src: fused for fused, srcs in self.packed_modules_mapping.items() for src in srcs}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name:
+                continue
+            if self.tie_word_embeddings and name.startswith("lm_head."):
+                continue  # some tied checkpoints still store the shared matrix twice
+            param_name, shard_id = name, None
+            parts = name.split(".")
+            for i, part in enumerate(parts):
+                if part in packed:
+                    parts[i] = packed[part]
+                    param_name, shard_id = ".".join(parts), self._shard_ids[part]
+                    break
+            param = params.get(param_name)
+            if param is None:
+                raise ValueError(
+                    f"checkpoint tensor {name!r} matches no parameter of "
+                    f"{type(self).__name__} (looked for {param_name!r})"
+                )
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                loader(param, tensor, shard_id)
+            except ValueError as e:
+                raise ValueError(f"while loading {name!r} into {param_name!r}: {e}") from e
+            loaded.add(param_name)
+        return loaded
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral checkpoints: the Llama architecture (sliding window checked at build time)."""

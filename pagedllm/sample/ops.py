@@ -1,0 +1,212 @@
+"""Logits-processing ops used by the `Sampler`: small stateless functions over a batch.
+
+Every op takes float32 `logits [B, V]` (one row per request that samples) plus per-row
+parameters as tensors and returns the processed logits, working in place where it can (the
+sampler owns its copy), so callers must use the returned tensor. Masked tokens are set to `-inf`. None of them reads a tensor back to the host, so a step never
+waits on the device here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_NEG_INF = float("-inf")
+
+
+def apply_allowed_token_ids(
+    logits: torch.Tensor,
+    restricted_rows: torch.Tensor,
+    rows: torch.Tensor,
+    token_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Restrict each row in `restricted_rows [R]` to its allowed tokens.
+
+    The allowed set is given as (row, token) pairs: `rows [N]`, `token_ids [N]`. Rows not in
+    `restricted_rows` are left alone.
+    """
+    blocked = torch.zeros_like(logits, dtype=torch.bool)  # [B, V]
+    blocked[restricted_rows] = True
+    blocked[rows, token_ids] = False
+    return logits.masked_fill_(blocked, _NEG_INF)
+
+
+def apply_banned_tokens(
+    logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor
+) -> torch.Tensor:
+    """Set the (row, token) pairs `rows [N]`, `token_ids [N]` to -inf (min_tokens, bad words)."""
+    logits[rows, token_ids] = _NEG_INF
+    return logits
+
+
+def apply_logit_bias(
+    logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor, bias: torch.Tensor
+) -> torch.Tensor:
+    """Add `bias [N]` to the (row, token) pairs `rows [N]`, `token_ids [N]`."""
+    return logits.index_put_((rows, token_ids), bias, accumulate=True)
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor, token_ids: torch.Tensor, penalties: torch.Tensor
+) -> torch.Tensor:
+    """Repetition penalty on the tokens each row has seen (prompt and output): a positive
+    logit is divided by the row's penalty `[B]`, a negative one multiplied by it, so a penalty
+    above 1 always makes a repeat less likely.
+
+    `token_ids [B, R]` lists each row's distinct seen tokens, padded by repeating one of them:
+    a token listed twice gets the same new value twice, so the scatter stays exact. Touches
+    only B x R entries, never all B x V.
+    """
+    values = logits.gather(1, token_ids)  # [B, R]
+    scale = penalties[:, None]  # [B, 1]
+    values = torch.where(values > 0, values / scale, values * scale)
+    return logits.scatter_(1, token_ids, values)
+
+
+def apply_frequency_presence_penalties(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    counts: torch.Tensor,
+    frequency_penalties: torch.Tensor,
+    presence_penalties: torch.Tensor,
+) -> torch.Tensor:
+    """OpenAI's penalties on the tokens each row has generated: subtract
+    `frequency * count + presence` from each of them.
+
+    `token_ids [B, U]` lists each row's distinct output tokens and `counts [B, U]` (float) how
+    often each occurred; padding has count 0 and so adds nothing. Penalties are [B].
+    """
+    penalty = frequency_penalties[:, None] * counts + presence_penalties[:, None] * (counts > 0)
+    return logits.scatter_add_(1, token_ids, penalty.neg_())
+
+
+def apply_temperature(
+    logits: torch.Tensor, temperature: torch.Tensor, in_place: bool = True
+) -> torch.Tensor:
+    """Divide each row by its temperature `[B]`; a 0 (a greedy row in a mixed batch) acts as 1.
+    With `in_place=False` the result is a new tensor (the sampler's copy, made for free)."""
+    temperature = torch.where(temperature > 0, temperature, 1.0)[:, None]  # [B, 1]
+    return logits.div_(temperature) if in_place else logits / temperature
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below `min_p [B]` times the row's top probability.
+
+    Done on logits, with no softmax: p_i < min_p * p_max  <=>  l_i < l_max + log(min_p).
+    """
+    threshold = logits.amax(dim=-1, keepdim=True) + min_p.log()[:, None]  # [B, 1]
+    return logits.masked_fill_(logits < threshold, _NEG_INF)
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Keep each row's `top_k [B]` largest logits, and every token tied with the k-th.
+
+    `max_top_k` is the largest k < V in the batch: one partial `topk` of that size finds every
+    row's threshold; rows whose k exceeds it (k = V: disabled) keep everything.
+    """
+    top_vals = logits.topk(max_top_k, dim=-1).values  # [B, max_top_k], descending
+    kth = top_vals.gather(1, (top_k.clamp(max=max_top_k) - 1)[:, None])  # [B, 1]
+    kth.masked_fill_(top_k[:, None] > max_top_k, _NEG_INF)
+    return logits.masked_fill_(logits < kth, _NEG_INF)
+
+
+def _nucleus_limit(top_p: torch.Tensor) -> torch.Tensor:
+    """[B] -> [B, 1]; p = 1 becomes inf so that float rounding in a cumsum that reaches 1 early
+    can never drop a token of a row that disabled top-p."""
+    return torch.where(top_p < 1.0, top_p, float("inf"))[:, None]
+
+
+def apply_top_p_sorted(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's nucleus: the fewest most-probable tokens whose mass reaches `top_p [B]`.
+
+    A token is kept when the probability mass strictly ahead of it is < p, so the best token
+    always survives; p = 1 disables it. Sorts whole rows: no host sync, but O(V log V) per row.
+    """
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)  # [B, V] each
+    probs = sorted_logits.softmax(dim=-1)
+    mass_ahead = probs.cumsum(dim=-1) - probs  # [B, V]; exactly 0 for the best token
+    sorted_logits.masked_fill_(mass_ahead >= _nucleus_limit(top_p), _NEG_INF)
+    return logits.scatter_(1, sorted_idx, sorted_logits)
+
+
+def apply_top_k_top_p_partial(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    max_top_k: int = 0,
+    num_candidates: int = 1024,
+) -> torch.Tensor | None:
+    """`apply_top_k` then `apply_top_p_sorted`, computed from each row's best
+    max(`num_candidates`, `max_top_k`) tokens only; None (logits untouched) when some row's
+    nucleus may reach beyond them.
+
+    One partial `topk` and one masking pass instead of a full sort: much cheaper where sorting
+    is slow (the CPU), but it reads a flag back to the host, so it is not for the device path.
+    Tokens tied with the last kept one are kept.
+    """
+    num_rows, vocab_size = logits.shape
+    num_candidates = min(vocab_size, max(num_candidates, max_top_k))
+    candidates = logits.topk(num_candidates, dim=-1).values  # [B, C], descending
+    threshold = logits.new_full((num_rows, 1), _NEG_INF)  # keep logits >= threshold
+    k_enabled = None
+    if top_k is not None:
+        k_enabled = top_k[:, None] <= max_top_k  # [B, 1]
+        kth = candidates.gather(1, (top_k.clamp(max=num_candidates) - 1)[:, None])  # [B, 1]
+        threshold = torch.where(k_enabled, kth, _NEG_INF)
+        candidates = candidates.masked_fill(candidates < threshold, _NEG_INF)
+    if top_p is not None:
+        # Log of the mass left after top-k: within the candidates where top-k is on.
+        log_total = torch.logsumexp(candidates, dim=-1, keepdim=True)  # [B, 1]
+        if k_enabled is None or not bool(k_enabled.all()):
+            full = torch.logsumexp(logits, dim=-1, keepdim=True)
+            log_total = full if k_enabled is None else torch.where(k_enabled, log_total, full)
+        probs = (candidates - log_total).exp_()  # [B, C]
+        mass = probs.cumsum(dim=-1)
+        limit = _nucleus_limit(top_p)  # [B, 1]
+        disabled = limit.isinf()
+        if not bool(((mass[:, -1:] >= limit) | disabled).all()):
+            return None
+        num_kept = (mass - probs < limit).sum(dim=-1, keepdim=True)  # [B, 1], >= 1
+        p_threshold = candidates.gather(1, num_kept - 1).masked_fill_(disabled, _NEG_INF)
+        threshold = torch.maximum(threshold, p_threshold)
+    return logits.masked_fill_(logits < threshold, _NEG_INF)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    max_top_k: int = 0,
+) -> torch.Tensor:
+    """top-k (`apply_top_k`), then top-p on what is left (`apply_top_p_sorted`); either may be
+    None. On the CPU, where a full-vocabulary sort costs seconds for a large batch and reading
+    a flag back is free, top-p first tries `apply_top_k_top_p_partial`."""
+    if top_p is not None and logits.device.type == "cpu":
+        partial = apply_top_k_top_p_partial(logits, top_k, top_p, max_top_k)
+        if partial is not None:
+            return partial
+    if top_k is not None:
+        logits = apply_top_k(logits, top_k, max_top_k)
+    if top_p is not None:
+        logits = apply_top_p_sorted(logits, top_p)
+    return logits
+
+
+def random_sample(weights: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Draw one token per row of `weights [B, V]` (probabilities, or any non-negative multiple
+    of them) -> [B] int64, with no host sync. `weights` is overwritten.
+
+    Exponential race: argmax(w_i / E_i) with E_i ~ Exponential(1) i.i.d. picks token i with
+    probability w_i / sum(w). E = -log(1 - U) for U ~ Uniform[0, 1) (several times faster than
+    `exponential_` on the CPU). Rows in `generators` (row -> torch.Generator) draw their noise
+    from it, so a seeded request's tokens do not depend on which other rows share the batch;
+    the other rows use the global RNG.
+    """
+    noise = torch.empty_like(weights)
+    if len(generators) < weights.shape[0]:
+        noise.uniform_()
+    for row, generator in generators.items():
+        noise[row].uniform_(generator=generator)
+    noise.neg_().log1p_().neg_()
+    # E = 0 (U = 0) would give 0/0 = NaN for a masked token, and argmax prefers NaN.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return weights.div_(noise).argmax(dim=-1)

@@ -1,0 +1,111 @@
+"""The `Sampler`: model logits of the rows that sample this step -> one token per row.
+
+Order of operations (vLLM V1's):
+1. logprobs, if any row asked for them, from the RAW logits (log_softmax before any processing);
+2. float32, then allowed_token_ids, bad words and min_tokens masks, logit_bias, and the
+   repetition / frequency / presence penalties: these can change the argmax, so they apply to
+   greedy rows too;
+3. greedy rows take the argmax here;
+4. random rows: temperature, min-p, top-k, top-p, then one draw by the exponential race
+   (seeded rows draw their noise from their own generator; no torch.multinomial, which syncs).
+Mixed batches run both paths and pick per row with `torch.where`; nothing syncs with the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagedllm.sample import ops
+from pagedllm.sample.logprobs import LogprobsTensors, gather_logprobs
+from pagedllm.sample.metadata import SamplingMetadata
+
+
+@dataclass
+class SamplerOutput:
+    """One token per row, and the logprobs when some row asked for them."""
+
+    sampled_token_ids: torch.Tensor  # [B] int64
+    logprobs: LogprobsTensors | None  # [B, max_num_logprobs + 1]; column 0 = sampled token
+
+
+class Sampler(nn.Module):
+    """Samples one token per row of the logits, following each row's `SamplingParams`."""
+
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """`logits [B, V]` (any float dtype; left unchanged) -> `SamplerOutput`."""
+        processed = logits.to(torch.float32)
+        raw_logprobs = None
+        if metadata.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(processed, dim=-1)  # [B, V]
+
+        # The ops work in place on the sampler's own copy; an fp32 input has to be copied
+        # first, unless nothing writes to it before temperature (which can copy as it goes).
+        owned = processed is not logits
+        if not owned and _has_logits_processors(metadata):
+            processed, owned = processed.clone(), True
+        processed = self.apply_logits_processors(processed, metadata)
+        sampled = self.sample(processed, metadata, in_place=owned)
+
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    @staticmethod
+    def apply_logits_processors(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The processing that applies to every row, greedy ones included."""
+        if metadata.allowed_token_ids is not None:
+            logits = ops.apply_allowed_token_ids(logits, *metadata.allowed_token_ids)
+        if metadata.banned_token_ids is not None:
+            logits = ops.apply_banned_tokens(logits, *metadata.banned_token_ids)
+        if metadata.logit_bias is not None:
+            logits = ops.apply_logit_bias(logits, *metadata.logit_bias)
+        if metadata.repetition_penalties is not None:
+            logits = ops.apply_repetition_penalty(
+                logits, metadata.repetition_token_ids, metadata.repetition_penalties
+            )
+        if metadata.output_token_counts is not None:
+            logits = ops.apply_frequency_presence_penalties(
+                logits,
+                metadata.output_token_ids,
+                metadata.output_token_counts,
+                metadata.frequency_penalties,
+                metadata.presence_penalties,
+            )
+        return logits
+
+    @staticmethod
+    def sample(
+        logits: torch.Tensor, metadata: SamplingMetadata, in_place: bool = True
+    ) -> torch.Tensor:
+        """Processed `logits [B, V]` -> token ids [B]. Random rows overwrite `logits` when
+        `in_place`, else work on a copy."""
+        greedy = None
+        if not metadata.all_random:
+            greedy = logits.argmax(dim=-1)  # [B]
+            if metadata.all_greedy:
+                return greedy
+
+        logits = ops.apply_temperature(logits, metadata.temperature, in_place=in_place)
+        if metadata.min_p is not None:
+            logits = ops.apply_min_p(logits, metadata.min_p)
+        logits = ops.apply_top_k_top_p(logits, metadata.top_k, metadata.top_p, metadata.max_top_k)
+        # Unnormalized probabilities are enough for the race; computed in place.
+        weights = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()  # [B, V]
+        sampled = ops.random_sample(weights, metadata.generators)
+        if greedy is None:
+            return sampled
+        return torch.where(metadata.temperature == 0.0, greedy, sampled)
+
+
+def _has_logits_processors(metadata: SamplingMetadata) -> bool:
+    """Whether any op before sampling writes to the logits."""
+    return not (
+        metadata.no_penalties
+        and metadata.allowed_token_ids is None
+        and metadata.banned_token_ids is None
+        and metadata.logit_bias is None
+    )

@@ -1,0 +1,271 @@
+"""ModelRunner: turns a `SchedulerOutput` into one model forward and a `ModelRunnerOutput`.
+
+Each step it (1) updates its per-request state from the scheduler's deltas (new, resumed,
+continuing, finished, preempted requests), (2) flattens the new tokens of every scheduled
+request into one sequence with numpy (input ids, positions, slot mapping, block table,
+query offsets, sequence lengths; no per-token Python loop), (3) runs the model once, (4) takes
+logits only at the last token of each request whose scheduled tokens reach the end of its known
+tokens (a partial prefill chunk does not sample), and (5) samples. The runner never decides who
+runs; it only executes what the scheduler chose.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pagedllm.attention.backend import CommonAttentionMetadata
+from pagedllm.attention.layer import Attention
+from pagedllm.attention.selector import get_attn_backend
+from pagedllm.config import EngineConfig
+from pagedllm.core.sched.output import SchedulerOutput
+from pagedllm.models.loader import get_model
+from pagedllm.outputs import LogprobsLists, ModelRunnerOutput
+from pagedllm.sample.logprobs import compute_token_logprobs
+from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.sampler import Sampler
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CachedRequestState:
+    """What the runner remembers about a request between steps."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None = None
+    # Prompt positions whose logprobs were already returned (prompt_logprobs requests).
+    num_prompt_logprobs_done: int = 0
+    token_ids: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.token_ids = self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def append_output(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.token_ids.extend(token_ids)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.model_config = config.model_config
+        self.block_size = config.cache_config.block_size
+        self.dtype = config.model_config.dtype
+        self.requests: dict[str, CachedRequestState] = {}
+        self.sampler = Sampler()
+        self.attn_backend = get_attn_backend(device)
+        self.model: torch.nn.Module | None = None
+        self.attn_layers: list[Attention] = []
+        self.kv_caches: list[torch.Tensor] = []
+
+    # ---- set-up ----------------------------------------------------------------------------
+
+    def load_model(self) -> None:
+        self.model = get_model(self.config)
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        if not self.attn_layers:
+            raise RuntimeError("the model has no Attention layers to bind a KV cache to")
+
+    def kv_cache_bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        per_layer = sum(
+            2 * self.block_size * layer.num_kv_heads * layer.head_size * elem
+            for layer in self.attn_layers
+        )
+        return per_layer
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate one paged KV tensor per attention layer and bind it to the layer."""
+        self.kv_caches = []
+        for layer in self.attn_layers:
+            shape = self.attn_backend.get_kv_cache_shape(
+                num_blocks, self.block_size, layer.num_kv_heads, layer.head_size
+            )
+            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.kv_cache = cache
+            layer.backend = self.attn_backend
+            self.kv_caches.append(cache)
+
+    # ---- per-step state ---------------------------------------------------------------------
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            params = new.sampling_params
+            generator = None
+            if params.seed is not None and params.temperature > 0:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.seed)
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=new.prompt_token_ids,
+                output_token_ids=list(new.output_token_ids),
+                sampling_params=params,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                generator=generator,
+            )
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            if cached.new_block_ids[i]:
+                state.block_ids.extend(cached.new_block_ids[i])
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+        req_ids = list(so.num_scheduled_tokens)
+        states = [self.requests[r] for r in req_ids]
+        num_sched = np.fromiter(
+            (so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids)
+        )
+        start = np.fromiter(
+            (s.num_computed_tokens for s in states), dtype=np.int64, count=len(states)
+        )
+        attn_meta, input_ids, positions = self._prepare_inputs(so, req_ids, states, num_sched, start)
+        hidden = self.model(input_ids, positions, attn_meta)  # [T, hidden]
+
+        # A request samples when this step's tokens reach the end of its known tokens.
+        ends = start + num_sched
+        samples = [int(ends[i]) >= s.num_tokens for i, s in enumerate(states)]
+        sample_rows = [i for i, ok in enumerate(samples) if ok]
+        cu_ends = np.cumsum(num_sched)
+        sampled: list[list[int]] = [[] for _ in req_ids]
+        logprobs: list[LogprobsLists | None] = [None] * len(req_ids)
+        if sample_rows:
+            last_idx = torch.as_tensor(cu_ends[sample_rows] - 1, device=self.device)
+            logits = self.model.compute_logits(hidden[last_idx])  # [S, vocab] fp32
+            token_ids, row_logprobs = self._sample(logits, [states[i] for i in sample_rows])
+            for j, i in enumerate(sample_rows):
+                sampled[i] = [token_ids[j]]
+                states[i].append_output(sampled[i])
+                logprobs[i] = row_logprobs[j] if row_logprobs is not None else None
+
+        prompt_logprobs = self._prompt_logprobs(hidden, states, start, num_sched, cu_ends)
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
+            prompt_logprobs_dict=prompt_logprobs,
+        )
+
+    def _prepare_inputs(
+        self,
+        so: SchedulerOutput,
+        req_ids: list[str],
+        states: list[CachedRequestState],
+        num_sched: np.ndarray,  # [B]
+        start: np.ndarray,  # [B] num_computed_tokens
+    ) -> tuple[object, torch.Tensor, torch.Tensor]:
+        num_reqs = len(req_ids)
+        total = int(num_sched.sum())
+        cu = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(num_sched, out=cu[1:])
+        # Row -> request index, and position of each flattened token.
+        req_idx = np.repeat(np.arange(num_reqs), num_sched)  # [T]
+        positions = start[req_idx] + (np.arange(total) - cu[:-1][req_idx])  # [T]
+
+        tokens: list[int] = []
+        for i, s in enumerate(states):
+            a, n = int(start[i]), int(num_sched[i])
+            known = s.token_ids[a : a + n]
+            tokens.extend(known)
+            if len(known) < n:  # draft tokens under verification
+                tokens.extend(so.scheduled_spec_decode_tokens.get(req_ids[i], [])[: n - len(known)])
+        input_ids = np.asarray(tokens, dtype=np.int64)
+
+        max_blocks = max(len(s.block_ids) for s in states)
+        block_table = np.zeros((num_reqs, max_blocks), dtype=np.int32)
+        for i, s in enumerate(states):
+            block_table[i, : len(s.block_ids)] = s.block_ids
+        bs = self.block_size
+        slot_mapping = block_table[req_idx, positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = (start + num_sched).astype(np.int32)
+
+        dev = self.device
+        common = CommonAttentionMetadata(
+            num_reqs=num_reqs,
+            num_actual_tokens=total,
+            query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev),
+            query_start_loc_cpu=cu.tolist(),
+            seq_lens=torch.from_numpy(seq_lens).to(dev),
+            seq_lens_cpu=seq_lens.tolist(),
+            block_table=torch.from_numpy(block_table).to(dev),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            max_query_len=int(num_sched.max()),
+            max_seq_len=int(seq_lens.max()),
+            block_size=bs,
+        )
+        attn_meta = self.attn_backend.build_metadata(common)
+        return (
+            attn_meta,
+            torch.from_numpy(input_ids).to(dev),
+            torch.from_numpy(positions).to(dev),
+        )
+
+    def _sample(
+        self, logits: torch.Tensor, states: list[CachedRequestState]
+    ) -> tuple[list[int], list[LogprobsLists | None] | None]:
+        params = [s.sampling_params for s in states]
+        metadata = SamplingMetadata.build(
+            params,
+            [s.prompt_token_ids for s in states],
+            [s.output_token_ids for s in states],
+            [s.generator for s in states],
+            vocab_size=logits.shape[-1],
+            device=self.device,
+        )
+        out = self.sampler(logits, metadata)
+        token_ids = out.sampled_token_ids.tolist()
+        row_logprobs = None
+        if out.logprobs is not None:
+            row_logprobs = out.logprobs.to_lists([p.logprobs for p in params])
+        return token_ids, row_logprobs
+
+    def _prompt_logprobs(
+        self,
+        hidden: torch.Tensor,
+        states: list[CachedRequestState],
+        start: np.ndarray,
+        num_sched: np.ndarray,
+        cu_ends: np.ndarray,
+    ) -> dict[str, LogprobsLists]:
+        """Logprobs of prompt tokens 1..P-1 covered by this step's chunk (position p's hidden
+        state predicts token p+1)."""
+        result: dict[str, LogprobsLists] = {}
+        for i, s in enumerate(states):
+            k = s.sampling_params.prompt_logprobs
+            if k is None:
+                continue
+            a = max(int(start[i]), s.num_prompt_logprobs_done)
+            b = min(int(start[i] + num_sched[i]), len(s.prompt_token_ids) - 1)
+            if b <= a:
+                continue
+            row0 = int(cu_ends[i] - num_sched[i])
+            rows = hidden[row0 + (a - int(start[i])) : row0 + (b - int(start[i]))]
+            logits = self.model.compute_logits(rows)
+            targets = torch.as_tensor(s.prompt_token_ids[a + 1 : b + 1], device=self.device)
+            lp = compute_token_logprobs(logits, targets, k)
+            result[s.req_id] = lp.tolists()
+            s.num_prompt_logprobs_done = b
+        return result

@@ -1,0 +1,72 @@
+"""Session-wide fixtures: tiny seeded checkpoints (built once per session, lazily) and an
+`EngineConfig` factory for loading them without the engine front end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.testing.demo_model import TINY_ARCH_OVERRIDES
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
+    """arch key of TINY_ARCH_OVERRIDES ("llama", "mistral", "qwen2", "qwen3") -> fp32 'tiny' checkpoint dir, built on first access."""
+    from pagedllm.testing import make_demo_model
+
+    class _LazyDirs(dict):
+        def __missing__(self, arch: str) -> str:
+            path = tmp_path_factory.mktemp(f"tiny-{arch}")
+            self[arch] = make_demo_model(path, preset="tiny", seed=0, **TINY_ARCH_OVERRIDES[arch])
+            return self[arch]
+
+    return _LazyDirs()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_model_dirs) -> str:
+    return tiny_model_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def make_engine_config():
+    """Factory: (model_dir, dtype=torch.float32, max_model_len=None) -> EngineConfig on CPU."""
+    from pagedllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        EngineConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+    )
+    from pagedllm.transformers_utils.config import (
+        get_eos_token_ids,
+        get_generation_config,
+        get_hf_config,
+    )
+
+    def make(
+        model_dir: str, dtype: torch.dtype = torch.float32, max_model_len: int | None = None
+    ) -> EngineConfig:
+        hf_config = get_hf_config(model_dir)
+        max_len = max_model_len or hf_config.max_position_embeddings
+        gen = get_generation_config(model_dir)
+        return EngineConfig(
+            model_config=ModelConfig(
+                model=model_dir,
+                tokenizer=model_dir,
+                hf_config=hf_config,
+                dtype=dtype,
+                max_model_len=max_len,
+                eos_token_ids=get_eos_token_ids(model_dir, hf_config, gen),
+                generation_config=gen,
+            ),
+            cache_config=CacheConfig(block_size=16),
+            scheduler_config=SchedulerConfig(
+                max_num_batched_tokens=max_len, max_num_seqs=8, max_model_len=max_len
+            ),
+            parallel_config=ParallelConfig(),
+            device_config=DeviceConfig("cpu"),
+        )
+
+    return make

@@ -1,0 +1,77 @@
+"""A model-free stand-in for `EngineCore`, for tests of the process boundary and AsyncLLM.
+
+Each running request gets one token per step: the previous token + 1 (the first is the last
+prompt token + 1). Special prompts steer failures: a first prompt token of 666 makes `step()`
+raise; `config.fail_start` makes construction raise.
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from pagedllm.engine import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    SchedulerStats,
+)
+
+CRASH_TOKEN = 666
+
+
+def fake_config(**kwargs) -> SimpleNamespace:
+    defaults = dict(num_blocks=42, step_delay=0.0, fail_start=False)
+    defaults.update(kwargs)
+    return SimpleNamespace(**defaults)
+
+
+class FakeEngineCore:
+    def __init__(self, config) -> None:
+        if config.fail_start:
+            raise RuntimeError("bad checkpoint: config.json is missing")
+        self.config = config
+        self.num_blocks = config.num_blocks
+        self.running: dict[str, tuple[EngineCoreRequest, list[int]]] = {}
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        if request.request_id in self.running:
+            raise ValueError(f"request_id={request.request_id!r} is already running")
+        self.running[request.request_id] = (request, [])
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.running.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running)
+
+    def _stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            kv_cache_usage=len(self.running) / self.num_blocks,
+            num_blocks_total=self.num_blocks,
+        )
+
+    def step(self) -> EngineCoreOutputs:
+        if self.config.step_delay and self.running:
+            time.sleep(self.config.step_delay)
+        outputs = []
+        for rid, (req, out) in list(self.running.items()):
+            if req.prompt_token_ids[0] == CRASH_TOKEN:
+                raise RuntimeError("boom: simulated kernel failure")
+            token = (out[-1] if out else req.prompt_token_ids[-1]) + 1
+            out.append(token)
+            finish = None
+            if len(out) >= req.sampling_params.max_tokens:
+                finish = FinishReason.LENGTH
+                del self.running[rid]
+            outputs.append(EngineCoreOutput(rid, [token], finish_reason=finish))
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self._stats())
+
+    def reset_prefix_cache(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        pass

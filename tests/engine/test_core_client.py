@@ -1,0 +1,200 @@
+"""The process boundary: EngineCoreProc behind SyncMPClient / AsyncMPClient, on a model-free
+fake core (tests/engine/fake_engine_core.py), so every case runs in about a second."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from pagedllm.engine import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.engine.core_client import (
+    AsyncMPClient,
+    EngineCoreClient,
+    InprocClient,
+    SyncMPClient,
+)
+from pagedllm.engine.exceptions import EngineDeadError
+from pagedllm.sampling_params import SamplingParams
+from tests.engine.fake_engine_core import CRASH_TOKEN, FakeEngineCore, fake_config
+
+
+def _request(rid: str, prompt: list[int], max_tokens: int = 4) -> EngineCoreRequest:
+    return EngineCoreRequest(rid, prompt, SamplingParams(max_tokens=max_tokens), time.time())
+
+
+def _collect(client: EngineCoreClient, n_requests: int) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    finished = 0
+    deadline = time.monotonic() + 10
+    while finished < n_requests:
+        assert time.monotonic() < deadline, "engine outputs timed out"
+        for out in client.get_output().outputs:
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            finished += out.finished
+    return tokens
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it is gone for our purposes once reaped or defunct.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def _wait_gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if not _pid_alive(pid):
+                return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture
+def sync_client():
+    client = SyncMPClient(fake_config(), engine_core_cls=FakeEngineCore)
+    yield client
+    client.shutdown()
+
+
+def test_make_client_picks_the_client(monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")
+    client = EngineCoreClient.make_client(fake_config(), engine_core_cls=FakeEngineCore)
+    assert isinstance(client, InprocClient) and client.num_blocks == 42
+    client.add_request(_request("a", [1, 2], max_tokens=2))
+    assert _collect(client, 1) == {"a": [3, 4]}
+    client.shutdown()
+
+
+def test_sync_client_round_trip_and_utilities(sync_client):
+    assert sync_client.num_blocks == 42
+    sync_client.add_request(_request("a", [1, 2, 3], max_tokens=3))
+    sync_client.add_request(_request("b", [10], max_tokens=5))
+    assert _collect(sync_client, 2) == {"a": [4, 5, 6], "b": [11, 12, 13, 14, 15]}
+    assert sync_client.call_utility("get_num_blocks") == 42
+    assert sync_client.reset_prefix_cache() is True
+    with pytest.raises(RuntimeError, match="no utility method"):
+        sync_client.call_utility("no_such_method")
+    with pytest.raises(RuntimeError, match="no utility method"):
+        sync_client.call_utility("_private")
+
+
+def test_abort_and_stats_go_back_to_zero():
+    client = SyncMPClient(fake_config(step_delay=0.01), engine_core_cls=FakeEngineCore)
+    try:
+        client.add_request(_request("long", [1], max_tokens=10_000))
+        first = client.get_output()
+        while not first.outputs:
+            first = client.get_output()
+        client.abort_requests(["long"])
+        deadline = time.monotonic() + 5
+        stats = None
+        while stats is None or stats.num_running_reqs != 0:
+            assert time.monotonic() < deadline
+            stats = client.get_output().scheduler_stats
+        assert stats.kv_cache_usage == 0.0
+    finally:
+        client.shutdown()
+
+
+def test_startup_failure_is_a_clear_error():
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="initialization failed.*bad checkpoint"):
+        SyncMPClient(fake_config(fail_start=True), engine_core_cls=FakeEngineCore)
+    assert time.monotonic() - t0 < 30
+
+
+def test_killed_engine_fails_requests_quickly(sync_client):
+    sync_client.add_request(_request("a", [1], max_tokens=2))
+    _collect(sync_client, 1)
+    os.kill(sync_client.engine_pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(EngineDeadError):
+        while True:
+            sync_client.get_output()
+    assert time.monotonic() - t0 < 2
+    with pytest.raises(EngineDeadError):
+        sync_client.add_request(_request("b", [1]))
+    with pytest.raises(EngineDeadError):
+        sync_client.call_utility("get_num_blocks")
+
+
+def test_crash_in_step_reports_the_cause(sync_client):
+    sync_client.add_request(_request("bad", [CRASH_TOKEN]))
+    with pytest.raises(EngineDeadError, match="boom"):
+        while True:
+            sync_client.get_output()
+    assert _wait_gone(sync_client.engine_pid)
+
+
+def test_shutdown_stops_the_process(sync_client):
+    pid = sync_client.engine_pid
+    sync_client.shutdown()
+    assert _wait_gone(pid)
+    sync_client.shutdown()  # idempotent
+
+
+def test_sigterm_stops_the_engine_process(sync_client):
+    os.kill(sync_client.engine_pid, signal.SIGTERM)
+    assert _wait_gone(sync_client.engine_pid)
+    with pytest.raises(EngineDeadError):
+        sync_client.get_output()
+
+
+def test_engine_dies_with_its_parent(tmp_path):
+    script = textwrap.dedent(
+        """
+        import sys, time
+        from pagedllm.engine.core_client import SyncMPClient
+        from tests.engine.fake_engine_core import FakeEngineCore, fake_config
+        client = SyncMPClient(fake_config(), engine_core_cls=FakeEngineCore)
+        print(client.engine_pid, flush=True)
+        time.sleep(60)
+        """
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=os.getcwd()
+    )
+    try:
+        engine_pid = int(parent.stdout.readline())
+        assert _pid_alive(engine_pid)
+        parent.kill()
+        parent.wait()
+        assert _wait_gone(engine_pid, timeout=10)
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def test_async_client():
+    async def main():
+        client = AsyncMPClient(fake_config(), engine_core_cls=FakeEngineCore)
+        try:
+            await client.add_request_async(_request("a", [5], max_tokens=3))
+            tokens: list[int] = []
+            while len(tokens) < 3:
+                out: EngineCoreOutputs = await client.get_output_async()
+                tokens += [t for o in out.outputs for t in o.new_token_ids]
+            assert tokens == [6, 7, 8]
+            assert await client.call_utility_async("get_num_blocks") == 42
+            os.kill(client.engine_pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError):
+                while True:
+                    await asyncio.wait_for(client.get_output_async(), 5)
+        finally:
+            client.shutdown()
+
+    asyncio.run(main())

@@ -1,0 +1,102 @@
+"""A live `pagedllm serve` in a subprocess on a free port, owned by whoever creates it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+API_KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of `pid` (from /proc)."""
+    result = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            result.append(int(entry))
+    return result
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class RemoteServer:
+    """`pagedllm serve MODEL ARGS` on 127.0.0.1:<free port>. `stop()` (SIGTERM, then SIGKILL)
+    is idempotent; use as a context manager so the process never outlives its test."""
+
+    def __init__(self, model: str, args: list[str], timeout: float = 240.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="pagedllm-serve-", suffix=".log")
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+        env.setdefault("PAGEDLLM_LOG_STATS_INTERVAL", "2")
+        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", model]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO_ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT
+        )
+        try:
+            self._wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.logs()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"server not ready after {timeout}s:\n{self.logs()}")
+
+    def logs(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")[-6000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+    def __enter__(self) -> RemoteServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
