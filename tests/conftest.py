@@ -11,7 +11,8 @@ from pagedllm.testing.demo_model import TINY_ARCH_OVERRIDES
 
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
-    """arch key of TINY_ARCH_OVERRIDES ("llama", "mistral", "qwen2", "qwen3") -> fp32 'tiny' checkpoint dir, built on first access."""
+    """Arch key of TINY_ARCH_OVERRIDES ("llama", "mistral", "qwen2", "qwen3") -> fp32 "tiny"
+    checkpoint dir, built on first access."""
     from pagedllm.testing import make_demo_model
 
     class _LazyDirs(dict):

@@ -86,7 +86,9 @@ class EngineArgs:
             tokenizer=self.tokenizer or self.model,
             hf_config=hf_config,
             dtype=resolve_dtype(
-                self.dtype, getattr(hf_config, "torch_dtype", None), device_config.device
+                self.dtype,
+                getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None),
+                device_config.device,
             ),
             max_model_len=max_model_len,
             seed=self.seed,

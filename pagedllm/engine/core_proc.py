@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import shutil
 import signal
 import sys
 import threading
@@ -260,6 +261,9 @@ class EngineCoreProc:
             if os.getppid() != self.parent_pid:
                 logger.warning("Parent process %d died; EngineCore shutting down", self.parent_pid)
                 self.request_shutdown()
+                # The parent cannot clean up its ipc socket directory any more.
+                if self._input_address.startswith("ipc://"):
+                    shutil.rmtree(os.path.dirname(self._input_address[6:]), ignore_errors=True)
                 # A clean exit ends this daemon thread with the process; if the busy loop is
                 # stuck (a long step, a hung kernel), cut the process off.
                 time.sleep(_ORPHAN_EXIT_GRACE_S)

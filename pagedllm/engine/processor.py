@@ -114,6 +114,8 @@ class Processor:
         params = params.clone()
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - prompt_len
+        if params.bad_words:
+            params.update_from_tokenizer(self.tokenizer)
         params.update_from_generation_config(
             self.model_config.generation_config, self.model_config.eos_token_ids
         )

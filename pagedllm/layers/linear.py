@@ -52,7 +52,8 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
 
 
 class LinearBase(nn.Module):
-    """A linear layer over a local weight shard [output_size_per_partition, input_size_per_partition]."""
+    """A linear layer over this rank's weight shard
+    [output_size_per_partition, input_size_per_partition] (and bias shard, if any)."""
 
     def __init__(
         self,

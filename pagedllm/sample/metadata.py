@@ -101,6 +101,7 @@ class SamplingMetadata:
         is the generator of row i's seeded request, or None; `vocab_size` is the logits' width.
         Token ids outside [0, vocab_size) in logit_bias / allowed_token_ids / stop ids / bad
         words are ignored here (the front end is expected to reject them)."""
+        assert len(prompt_token_ids) == len(output_token_ids) == len(generators) == len(params)
         temps = [p.temperature for p in params]
         all_greedy = all(t == 0.0 for t in temps)
         all_random = not all_greedy and all(t != 0.0 for t in temps)

@@ -2,8 +2,9 @@
 
 Every op takes float32 `logits [B, V]` (one row per request that samples) plus per-row
 parameters as tensors and returns the processed logits, working in place where it can (the
-sampler owns its copy), so callers must use the returned tensor. Masked tokens are set to `-inf`. None of them reads a tensor back to the host, so a step never
-waits on the device here.
+sampler owns its copy), so callers must use the returned tensor. Masked tokens are set to
+`-inf`. No op reads a tensor back to the host, so a step never waits on the device here; the
+one exception, `apply_top_k_top_p_partial`, is used on the CPU only, where that costs nothing.
 """
 
 from __future__ import annotations
@@ -135,15 +136,17 @@ def apply_top_k_top_p_partial(
     max_top_k: int = 0,
     num_candidates: int = 1024,
 ) -> torch.Tensor | None:
-    """`apply_top_k` then `apply_top_p_sorted`, computed from each row's best
-    max(`num_candidates`, `max_top_k`) tokens only; None (logits untouched) when some row's
-    nucleus may reach beyond them.
+    """`apply_top_k` then `apply_top_p_sorted`, computed from each row's best C tokens only
+    (C = `max_top_k` when every row has top-k on, else max(`num_candidates`, `max_top_k`));
+    None (logits untouched) when some row's nucleus may reach beyond them.
 
     One partial `topk` and one masking pass instead of a full sort: much cheaper where sorting
     is slow (the CPU), but it reads a flag back to the host, so it is not for the device path.
     Tokens tied with the last kept one are kept.
     """
     num_rows, vocab_size = logits.shape
+    if top_k is not None and bool((top_k <= max_top_k).all()):
+        num_candidates = max_top_k  # every row keeps at most its top-k anyway
     num_candidates = min(vocab_size, max(num_candidates, max_top_k))
     candidates = logits.topk(num_candidates, dim=-1).values  # [B, C], descending
     threshold = logits.new_full((num_rows, 1), _NEG_INF)  # keep logits >= threshold
@@ -196,17 +199,18 @@ def random_sample(weights: torch.Tensor, generators: dict[int, torch.Generator])
     of them) -> [B] int64, with no host sync. `weights` is overwritten.
 
     Exponential race: argmax(w_i / E_i) with E_i ~ Exponential(1) i.i.d. picks token i with
-    probability w_i / sum(w). E = -log(1 - U) for U ~ Uniform[0, 1) (several times faster than
-    `exponential_` on the CPU). Rows in `generators` (row -> torch.Generator) draw their noise
+    probability w_i / sum(w). Rows in `generators` (row -> torch.Generator) draw their noise
     from it, so a seeded request's tokens do not depend on which other rows share the batch;
-    the other rows use the global RNG.
+    the other rows use the global RNG. E = -log(1 - U) for U ~ Uniform[0, 1), several times
+    faster than `exponential_` on the CPU; the code keeps -E = log1p(-U) in (-inf, 0] and takes
+    argmin(w / -E), which saves a pass over [B, V].
     """
     noise = torch.empty_like(weights)
     if len(generators) < weights.shape[0]:
         noise.uniform_()
     for row, generator in generators.items():
         noise[row].uniform_(generator=generator)
-    noise.neg_().log1p_().neg_()
-    # E = 0 (U = 0) would give 0/0 = NaN for a masked token, and argmax prefers NaN.
-    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    return weights.div_(noise).argmax(dim=-1)
+    neg_exp = noise.neg_().log1p_()  # -E, [B, V]
+    # -E = 0 (U = 0) would give 0/0 = NaN for a masked token, and argmin prefers NaN.
+    neg_exp.clamp_max_(-torch.finfo(noise.dtype).tiny)
+    return weights.div_(neg_exp).argmin(dim=-1)

@@ -1,54 +1,29 @@
-"""Fixtures for end-to-end engine tests: tiny checkpoints per architecture, and the
-transformers greedy oracle."""
+"""Fixtures for end-to-end engine tests: the transformers greedy oracle, and short names for
+the session-wide tiny checkpoints of tests/conftest.py."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
 
-# Engine tests in this package run the engine core in-process unless they say otherwise.
-os.environ.setdefault("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")
 
-ARCH_OVERRIDES = {
-    # Llama with GQA and Llama-3 rope scaling.
-    "llama": dict(
-        architecture="LlamaForCausalLM",
-        rope_scaling={
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 128,
-        },
-    ),
-    "mistral": dict(architecture="MistralForCausalLM"),
-    "qwen2": dict(architecture="Qwen2ForCausalLM", tie_word_embeddings=True),
-    "qwen3": dict(architecture="Qwen3ForCausalLM", head_dim=32),
-}
+@pytest.fixture(scope="package", autouse=True)
+def _engine_core_in_process():
+    """Engine tests here run the EngineCore in-process (fast start); the multiprocess client
+    has its own tests."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")
+        yield
+
+@pytest.fixture(scope="session")
+def model_dirs(tiny_model_dirs):
+    """arch ("llama", "mistral", "qwen2", "qwen3") -> tiny fp32 checkpoint dir."""
+    return tiny_model_dirs
 
 
 @pytest.fixture(scope="session")
-def model_dirs(tmp_path_factory):
-    """arch name -> tiny fp32 checkpoint dir (built lazily, once per session)."""
-    from pagedllm.testing import make_demo_model
-
-    cache: dict[str, str] = {}
-
-    class _Dirs(dict):
-        def __missing__(self, arch: str) -> str:
-            path = tmp_path_factory.mktemp(f"tiny-{arch}")
-            made = make_demo_model(str(path), preset="tiny", seed=0, **ARCH_OVERRIDES[arch])
-            self[arch] = made
-            return made
-
-    return _Dirs(cache)
-
-
-@pytest.fixture(scope="session")
-def llama_dir(model_dirs) -> str:
-    return model_dirs["llama"]
+def llama_dir(tiny_llama_dir) -> str:
+    return tiny_llama_dir
 
 
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
