@@ -54,7 +54,7 @@ class EngineArgs:
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     speculative_config: dict[str, Any] | None = None
-    disable_log_stats: bool = True
+    disable_log_stats: bool = False
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -169,9 +169,7 @@ class EngineArgs:
             elif f.name == "speculative_config":
                 group.add_argument(flag, type=json.loads, default=None, help=help_text)
             else:
-                group.add_argument(
-                    flag, type=_cli_type(f), default=default, help=help_text
-                )
+                group.add_argument(flag, type=_cli_type(f), default=default, help=help_text)
         return parser
 
     @classmethod

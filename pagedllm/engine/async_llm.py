@@ -281,11 +281,7 @@ class AsyncLLM:
             self._propagate_error(error)
 
     def _propagate_error(self, error: Exception) -> None:
-        for state in list(self.output_processor.request_states.values()):
-            if state.queue is not None:
-                state.queue.put(error)
-        self.output_processor.request_states.clear()
-        self.output_processor.parents.clear()
+        self.output_processor.propagate_error(error)
 
     async def _run_stats_logging(self) -> None:
         while True:

@@ -163,6 +163,14 @@ class OutputProcessor:
                     to_abort.append(cid)
         return to_abort
 
+    def propagate_error(self, error: Exception) -> None:
+        """The engine died: every waiting consumer gets `error`; all requests are dropped."""
+        for state in self.request_states.values():
+            if state.queue is not None:
+                state.queue.put(error)
+        self.request_states.clear()
+        self.parents.clear()
+
     def process_outputs(
         self,
         outputs: list[EngineCoreOutput],

@@ -7,14 +7,14 @@ raised as a `ValueError` that names the field and the value.
 from __future__ import annotations
 
 import time
-from typing import Any, Union
+from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
 
 # vLLM's prompt forms: a string, {"prompt": str}, or {"prompt_token_ids": [...]}.
-PromptType = Union[str, dict[str, Any]]
+PromptType = str | dict[str, Any]
 
 MAX_LOGPROBS = 20
 

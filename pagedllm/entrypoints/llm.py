@@ -32,6 +32,7 @@ class LLM:
     """
 
     def __init__(self, model: str, **kwargs: Any) -> None:
+        kwargs.setdefault("disable_log_stats", True)  # vLLM's LLM default: no periodic stats
         engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(engine_args)
         self._request_counter = itertools.count()
@@ -107,10 +108,16 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
+    def shutdown(self) -> None:
+        """Stop the engine (its process, when it runs in one). Also done at exit."""
+        self.llm_engine.shutdown()
+
     def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        bar = tqdm(
+            total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True
+        )
         try:
             while engine.has_unfinished_requests():
                 for out in engine.step():
@@ -138,4 +145,4 @@ class LLM:
             try:
                 engine.shutdown()
             except Exception:
-                pass
+                pass  # interpreter teardown: the client's own finalizer stops the process

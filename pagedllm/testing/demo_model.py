@@ -366,3 +366,28 @@ def run_from_args(args: argparse.Namespace) -> int:
     )
     print(f"wrote {args.architecture} ({args.preset}) checkpoint to {path}")
     return 0
+
+
+def default_demo_model_dir() -> str:
+    """The built-in demo model ("demo" preset), built on first use under
+    `$XDG_CACHE_HOME/pagedllm/demo-model` (default `~/.cache/...`). It is written to a
+    temporary sibling and renamed into place, so a concurrent or interrupted build never leaves
+    a half-written model behind."""
+    import shutil
+    import tempfile
+
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    path = os.path.join(cache, "pagedllm", "demo-model")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="demo-model-", dir=os.path.dirname(path))
+    try:
+        make_demo_model(tmp, preset="demo")
+        try:
+            os.rename(tmp, path)
+        except OSError:  # another process finished first
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path

@@ -141,7 +141,9 @@ class ModelRunner:
         start = np.fromiter(
             (s.num_computed_tokens for s in states), dtype=np.int64, count=len(states)
         )
-        attn_meta, input_ids, positions = self._prepare_inputs(so, req_ids, states, num_sched, start)
+        attn_meta, input_ids, positions = self._prepare_inputs(
+            so, req_ids, states, num_sched, start
+        )
         hidden = self.model(input_ids, positions, attn_meta)  # [T, hidden]
 
         # A request samples when this step's tokens reach the end of its known tokens.

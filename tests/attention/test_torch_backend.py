@@ -228,9 +228,13 @@ def test_uneven_decode_lengths_split_into_groups():
 
 
 @pytest.mark.parametrize("block_size", [8, 16])
-def test_long_prefill_row_chunks(monkeypatch, block_size):
-    """Prefills over context cut into row chunks (tiny mask budget) give the same result."""
-    monkeypatch.setattr(torch_backend, "_MASK_BUDGET", 1)  # -> 16-row chunks
+@pytest.mark.parametrize(
+    "limit,value,num_chunks",
+    [("_MASK_BUDGET", 1, [3, 2, 1]), ("_PREFILL_CHUNK_ROWS", 7, [6, 5, 3])],
+)
+def test_long_prefill_row_chunks(monkeypatch, block_size, limit, value, num_chunks):
+    """Prefills over context cut into many row chunks give the same result."""
+    monkeypatch.setattr(torch_backend, limit, value)  # _MASK_BUDGET=1: 16-row chunks
     spec = [(37, 40), (50, 30), (9, 16), (5, 1)]
     batch = Batch(
         spec,
@@ -244,7 +248,7 @@ def test_long_prefill_row_chunks(monkeypatch, block_size):
     )
     backend = TorchAttentionBackend()
     meta = backend.build_metadata(batch.common)
-    assert [len(p.chunks) for p in meta.prefills] == [3, 2, 1]
+    assert [len(p.chunks) for p in meta.prefills] == num_chunks
     check(batch, run(batch, backend))
 
 
@@ -325,3 +329,12 @@ def test_kv_cache_shape():
 def test_selector_rejects_unknown_device():
     with pytest.raises(ValueError, match="device"):
         get_attn_backend("meta")
+
+
+def test_split_by_length():
+    assert torch_backend._split_by_length([10] * 6, overhead=4) == [(0, 6)]
+    assert torch_backend._split_by_length([100, 99, 3, 2], overhead=4) == [(0, 2), (2, 4)]
+    skewed = [2**i for i in range(20, 0, -1)]
+    cuts = torch_backend._split_by_length(skewed, overhead=1, max_ranges=3)
+    assert len(cuts) == 3 and cuts[0][0] == 0 and cuts[-1][1] == len(skewed)
+    assert all(a[1] == b[0] for a, b in zip(cuts, cuts[1:]))

@@ -15,6 +15,7 @@ def _engine_core_in_process():
         mp.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")
         yield
 
+
 @pytest.fixture(scope="session")
 def model_dirs(tiny_model_dirs):
     """arch ("llama", "mistral", "qwen2", "qwen3") -> tiny fp32 checkpoint dir."""

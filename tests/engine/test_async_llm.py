@@ -80,12 +80,16 @@ def test_abort_and_cancel_free_the_engine(engine, loop):
         await engine.abort("to-abort")
         await gen.aclose()
 
-        async def consume():
-            async for _ in engine.generate(PROMPT, params, "to-cancel"):
-                pass
+        started = asyncio.Event()
 
+        async def consume():
+            async for _ in engine.generate(PROMPT, long_params, "to-cancel"):
+                started.set()
+
+        # Long enough that it is still running when cancelled, once it has started.
+        long_params = _greedy(RequestOutputKind.DELTA, max_tokens=400)
         task = asyncio.ensure_future(consume())
-        await asyncio.sleep(0.3)
+        await started.wait()
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -122,8 +122,11 @@ def test_text_prompts_stop_strings_and_n(llama_dir):
     # A stop string taken from the middle of that text: output is cut just before it.
     if len(text) >= 6:
         stop = text[3:6]
-        cut = llm.generate("Hello world", SamplingParams(
-            temperature=0.0, max_tokens=16, ignore_eos=True, stop=[stop]), use_tqdm=False)[0]
+        cut = llm.generate(
+            "Hello world",
+            SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop=[stop]),
+            use_tqdm=False,
+        )[0]
         assert cut.outputs[0].finish_reason == "stop"
         assert cut.outputs[0].stop_reason == stop
         assert cut.outputs[0].text == text[: text.find(stop)]
@@ -148,8 +151,11 @@ def test_stop_token_ids_and_max_tokens(llama_dir, reference):
     llm = LLM(model=llama_dir, dtype="float32")
     target = expected[0][5]
     first = expected[0].index(target)
-    out = llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(
-        temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[target]), use_tqdm=False)
+    out = llm.generate(
+        {"prompt_token_ids": prompts[0]},
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[target]),
+        use_tqdm=False,
+    )
     c = out[0].outputs[0]
     assert c.token_ids == expected[0][: first + 1]
     assert c.finish_reason == "stop" and c.stop_reason == target
@@ -159,16 +165,21 @@ def test_stop_token_ids_and_max_tokens(llama_dir, reference):
 
 def test_logprobs(llama_dir):
     llm = LLM(model=llama_dir, dtype="float32")
-    out = llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=4, logprobs=3,
-                                               prompt_logprobs=2, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        "Hello",
+        SamplingParams(
+            temperature=0.0, max_tokens=4, logprobs=3, prompt_logprobs=2, ignore_eos=True
+        ),
+        use_tqdm=False,
+    )[0]
     c = out.outputs[0]
     assert len(c.logprobs) == 4
     for tok, lp in zip(c.token_ids, c.logprobs):
         assert tok in lp and lp[tok].rank == 1  # greedy picks the top token
         assert 3 <= len(lp) <= 4
-    assert c.cumulative_logprob == pytest.approx(sum(lp[t].logprob for t, lp in
-                                                     zip(c.token_ids, c.logprobs)))
+    assert c.cumulative_logprob == pytest.approx(
+        sum(lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs))
+    )
     assert out.prompt_logprobs[0] is None
     assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
     for tok, lp in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
@@ -181,7 +192,8 @@ def test_chat(llama_dir):
     assert len(out.outputs[0].token_ids) == 5
     tok = llm.get_tokenizer()
     expected = tok.apply_chat_template(
-        [{"role": "user", "content": "Hi there"}], add_generation_prompt=True, tokenize=True)
+        [{"role": "user", "content": "Hi there"}], add_generation_prompt=True, tokenize=True
+    )
     if isinstance(expected, dict) or hasattr(expected, "input_ids"):
         expected = expected["input_ids"]
     assert out.prompt_token_ids == list(expected)
@@ -209,4 +221,3 @@ def test_bad_input_raises_before_scheduling(shared_llm, prompt, params, match):
 def test_unknown_engine_argument(llama_dir):
     with pytest.raises(ValueError, match="max_num_seq"):
         LLM(model=llama_dir, max_num_seq=4)
-

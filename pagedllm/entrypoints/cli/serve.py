@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
 logger = logging.getLogger(__name__)
 
@@ -45,19 +44,6 @@ def cmd(args: argparse.Namespace) -> int:
 
 
 def demo_model_dir() -> str:
-    """The built-in demo model, built on first use under `$XDG_CACHE_HOME/pagedllm` (or
-    `~/.cache/pagedllm`)."""
-    try:
-        from pagedllm.testing.demo_model import default_demo_model_dir
-    except ImportError:
-        default_demo_model_dir = None
-    if default_demo_model_dir is not None:
-        return default_demo_model_dir()
-    from pagedllm.testing import make_demo_model
+    from pagedllm.testing.demo_model import default_demo_model_dir
 
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    path = os.path.join(cache, "pagedllm", "demo-model")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        logger.info("Building the demo model in %s (first use)", path)
-        make_demo_model(path, preset="demo")
-    return path
+    return default_demo_model_dir()
