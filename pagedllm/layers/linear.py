@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed import get_tp_rank, get_tp_world_size, tp_all_gather, tp_all_reduce
+from pagedllm.layers.cpu_gemm import pack_linear_weight_, packed_linear
 
 
 def set_weight_loader(param: nn.Parameter, loader) -> None:
@@ -86,6 +86,13 @@ class LinearBase(nn.Module):
     ) -> None:
         raise NotImplementedError
 
+    def process_weights_after_loading(self) -> None:
+        """Called once by the loader after every weight is in place."""
+        pack_linear_weight_(self)
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return packed_linear(self, x, bias)
+
 
 class ReplicatedLinear(LinearBase):
     """Every rank holds the whole weight."""
@@ -104,7 +111,7 @@ class ReplicatedLinear(LinearBase):
         default_weight_loader(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._linear(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -134,7 +141,7 @@ class ColumnParallelLinear(LinearBase):
         _checked_copy(param.data, loaded_weight.narrow(0, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)  # [T, out / tp]
+        y = self._linear(x, self.bias)  # [T, out / tp]
         return tp_all_gather(y, dim=-1) if self.gather_output else y
 
 
@@ -229,7 +236,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         _checked_copy(dst, loaded_weight.narrow(0, shard_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)  # [T, q_size + 2 * kv_size]
+        return self._linear(x, self.bias)  # [T, q_size + 2 * kv_size]
 
 
 class RowParallelLinear(LinearBase):
@@ -265,7 +272,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [T, in / tp] -> [T, out]
         bias = self.bias if self.tp_rank == 0 else None
-        y = F.linear(x, self.weight, bias)
+        y = self._linear(x, bias)
         if self.reduce_results and self.tp_size > 1:
             y = tp_all_reduce(y)
         return y

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed import tp_all_gather
+from pagedllm.layers.cpu_gemm import packed_linear
 from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
 
 
@@ -23,7 +23,7 @@ class LogitsProcessor(nn.Module):
     def forward(self, lm_head: VocabParallelEmbedding, hidden_states: torch.Tensor) -> torch.Tensor:
         # hidden_states [N, hidden] -> local logits [N, V_p] -> gathered [N, V_p * tp]
         bias = getattr(lm_head, "bias", None)
-        logits = F.linear(hidden_states, lm_head.weight, bias)
+        logits = packed_linear(lm_head, hidden_states, bias)
         logits = tp_all_gather(logits, dim=-1)[:, : self.vocab_size]
         logits = logits.float()
         if self.scale != 1.0:

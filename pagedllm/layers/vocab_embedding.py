@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed import get_tp_rank, get_tp_world_size, tp_all_reduce
+from pagedllm.layers.cpu_gemm import pack_linear_weight_
 from pagedllm.layers.linear import set_weight_loader
 
 
@@ -98,6 +99,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         rows = self.vocab_end - self.vocab_start
         param.data[:rows].copy_(loaded_weight[self.vocab_start : self.vocab_end])
         param.data[rows:].zero_()
+
+    def process_weights_after_loading(self) -> None:
+        """Called once by the loader. An untied head is only ever multiplied, so its weight
+        may be packed for the CPU GEMM; a tied one is the embedding table and never is."""
+        pack_linear_weight_(self)
 
     def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> VocabParallelEmbedding:
         """Return the module to use as LM head when input and output embeddings are tied."""

@@ -112,4 +112,8 @@ def get_model(config: EngineConfig) -> nn.Module:
         sum(p.numel() for p in model.parameters()) / 1e6,
         device,
     )
+    for module in model.modules():
+        hook = getattr(module, "process_weights_after_loading", None)
+        if hook is not None:
+            hook()
     return model.eval()

@@ -1,0 +1,59 @@
+"""oneDNN-prepacked CPU GEMMs compute what F.linear computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.layers.cpu_gemm import can_pack
+from pagedllm.layers.linear import QKVParallelLinear, RowParallelLinear
+
+needs_packing = pytest.mark.skipif(
+    not can_pack(torch.empty(2, 2, dtype=torch.bfloat16)), reason="no oneDNN bf16 packing here"
+)
+
+
+@needs_packing
+@pytest.mark.parametrize("tokens", [1, 7, 64, 300])
+def test_packed_linear_equals_f_linear(tokens):
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        layer = QKVParallelLinear(64, 16, 4, 2, bias=True, params_dtype=torch.bfloat16)
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    weight, bias = layer.weight.data.clone(), layer.bias.data.clone()
+    layer.process_weights_after_loading()
+    assert layer.weight.numel() == 0  # the plain copy's storage is freed
+    x = torch.randn(tokens, 64, dtype=torch.bfloat16)
+    expected = F.linear(x, weight, bias).float()
+    torch.testing.assert_close(layer(x).float(), expected, rtol=1e-2, atol=1e-2)
+
+
+def test_fp32_is_never_packed():
+    with torch.device("cpu"):
+        layer = RowParallelLinear(32, 16, params_dtype=torch.float32)
+    layer.process_weights_after_loading()
+    assert getattr(layer, "weight_packed", None) is None and layer.weight.shape == (16, 32)
+
+
+@needs_packing
+def test_bf16_engine_same_tokens_with_and_without_packing(tiny_llama_dir, monkeypatch):
+    from pagedllm import LLM, SamplingParams
+
+    monkeypatch.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = ["Hello world", "The cat sat on"]
+    results = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("PAGEDLLM_CPU_PACK_WEIGHTS", flag)
+        llm = LLM(model=tiny_llama_dir, dtype="bfloat16")
+        runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
+        packed = [
+            m for m in runner.model.modules() if getattr(m, "weight_packed", None) is not None
+        ]
+        assert bool(packed) == (flag == "1")
+        results.append(
+            [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        )
+    assert results[0] == results[1]
