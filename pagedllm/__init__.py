@@ -1,7 +1,12 @@
 """pagedllm: a vLLM-style LLM inference and serving engine."""
 
 from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.sampling_params import (
+    GuidedDecodingParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 __version__ = "0.1.0"
 
@@ -9,6 +14,8 @@ __all__ = [
     "LLM",
     "EngineArgs",
     "SamplingParams",
+    "StructuredOutputsParams",
+    "GuidedDecodingParams",
     "RequestOutput",
     "CompletionOutput",
     "RequestOutputKind",

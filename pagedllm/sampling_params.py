@@ -9,6 +9,12 @@ from typing import Any
 
 import msgspec
 
+from pagedllm.structured_output.params import (
+    GuidedDecodingParams,
+    StructuredOutputsParams,
+    as_structured_outputs_params,
+)
+
 _SAMPLING_EPS = 1e-5
 
 
@@ -54,9 +60,9 @@ class SamplingParams(
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    # Structured outputs (see pagedllm.structured_output); an opaque spec object here.
-    structured_outputs: Any = None
-    guided_decoding: Any = None
+    # Structured outputs (see pagedllm.structured_output); guided_decoding is vLLM's old name.
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: GuidedDecodingParams | None = None
     extra_args: dict[str, Any] | None = None
 
     # Filled in by the engine (Processor), not by users.
@@ -92,6 +98,7 @@ class SamplingParams(
             self.top_k = 0
         if self.guided_decoding is not None and self.structured_outputs is None:
             self.structured_outputs = self.guided_decoding
+        self.structured_outputs = as_structured_outputs_params(self.structured_outputs)
         self._verify_args()
         if self.temperature < _SAMPLING_EPS:
             # Greedy: the other sampling knobs have no effect; normalize so batches stay simple.

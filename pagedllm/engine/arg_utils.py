@@ -123,7 +123,11 @@ class EngineArgs:
         )
         extra: dict[str, Any] = {}
         if self.speculative_config:
-            extra["speculative_config"] = dict(self.speculative_config)
+            from pagedllm.spec_decode.config import SpeculativeConfig
+
+            extra["speculative_config"] = SpeculativeConfig.from_dict(
+                self.speculative_config, model_config
+            )
         return EngineConfig(
             model_config=model_config,
             cache_config=cache_config,

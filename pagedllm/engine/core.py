@@ -15,6 +15,7 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched.scheduler import Scheduler
 from pagedllm.engine import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.executor.abstract import Executor
+from pagedllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +28,9 @@ class EngineCore:
         t0 = time.monotonic()
         self.executor = (executor_class or Executor.get_class(config))(config)
         self.num_blocks = self._initialize_kv_cache()
-        self.scheduler = Scheduler(config)
+        # Lazy: loads the tokenizer and xgrammar only when a structured request arrives.
+        self.structured_output_manager = StructuredOutputManager(config)
+        self.scheduler = Scheduler(config, self.structured_output_manager)
         logger.info(
             "EngineCore ready in %.1fs: %d KV blocks of %d tokens (%d tokens)",
             time.monotonic() - t0,
@@ -77,4 +80,5 @@ class EngineCore:
         return self.num_blocks
 
     def shutdown(self) -> None:
+        self.structured_output_manager.shutdown()
         self.executor.shutdown()

@@ -162,6 +162,28 @@ def _main_module_hidden(engine_core_cls: type | None) -> Iterator[None]:
         main.__dict__.update(saved)
 
 
+# glibc malloc settings for the engine process: keep freed chunks up to 32 MiB in the heap and
+# never trim it, so the model's large per-layer temporaries are reused instead of being mmap'd,
+# page-faulted and unmapped again on every layer (3x fewer page faults on CPU prefill; see
+# BENCHMARKS.md). A user's own GLIBC_TUNABLES wins.
+_ENGINE_GLIBC_TUNABLES = (
+    "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=17179869184"
+)
+
+
+@contextlib.contextmanager
+def _engine_process_env() -> Iterator[None]:
+    """Environment the spawned engine process starts with (spawn copies os.environ)."""
+    if "GLIBC_TUNABLES" in os.environ:
+        yield
+        return
+    os.environ["GLIBC_TUNABLES"] = _ENGINE_GLIBC_TUNABLES
+    try:
+        yield
+    finally:
+        os.environ.pop("GLIBC_TUNABLES", None)
+
+
 class _EngineProcHandle:
     """Everything needed to stop an engine process, held apart from the client so that a
     `multiprocessing.util.Finalize` can stop it at interpreter exit without keeping the client
@@ -250,7 +272,7 @@ class MPClient(EngineCoreClient):
             self._output_socket.setsockopt(zmq.LINGER, 0)
             self._output_socket.setsockopt(zmq.RCVHWM, 0)
             self._output_socket.bind(output_address)
-            with _main_module_hidden(engine_core_cls):
+            with _main_module_hidden(engine_core_cls), _engine_process_env():
                 proc.start()
             self.engine_pid: int = proc.pid
             self.num_blocks = self._wait_for_handshake(proc)

@@ -12,6 +12,7 @@ from typing import Any
 from pagedllm.config import EngineConfig
 from pagedllm.engine import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.backend_xgrammar import StructuredOutputValidator
 
 # vLLM's prompt forms: a string, {"prompt": str}, or {"prompt_token_ids": [...]}.
 PromptType = str | dict[str, Any]
@@ -26,6 +27,7 @@ class Processor:
         self.tokenizer = tokenizer
         self.max_model_len = config.model_config.max_model_len
         self.vocab_size = config.model_config.vocab_size
+        self.validate_structured_outputs = StructuredOutputValidator()
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -111,6 +113,7 @@ class Processor:
             bad = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"logit_bias has token ids out of the vocabulary: {bad[:10]}")
+        self.validate_structured_outputs(params)  # bad schema/regex/grammar: compiler's message
         params = params.clone()
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - prompt_len

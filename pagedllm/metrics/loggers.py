@@ -14,6 +14,7 @@ from typing import Protocol
 
 from pagedllm.engine import SchedulerStats
 from pagedllm.metrics.stats import IterationStats
+from pagedllm.spec_decode.metrics import SpecDecodingLogging
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class LoggingStatLogger:
     def __init__(self, engine_index: int = 0) -> None:
         self.engine_index = engine_index
         self.prefix_cache = PrefixCacheRate()
+        self.spec_decoding = SpecDecodingLogging()
         self.last_scheduler_stats = SchedulerStats()
         self._reset(time.monotonic())
         self._last_generation_throughput = 0.0
@@ -82,6 +84,7 @@ class LoggingStatLogger:
                 scheduler_stats.prefix_cache_queries, scheduler_stats.prefix_cache_hits
             )
             self.last_scheduler_stats = scheduler_stats
+            self.spec_decoding.observe(scheduler_stats.spec_decode)
 
     def log(self) -> None:
         now = time.monotonic()
@@ -113,3 +116,4 @@ class LoggingStatLogger:
             stats.kv_cache_usage * 100,
             self.prefix_cache.hit_rate * 100,
         )
+        self.spec_decoding.log(logger, self.engine_index)

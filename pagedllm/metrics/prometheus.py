@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from pagedllm.engine import SchedulerStats
 from pagedllm.metrics.stats import IterationStats
+from pagedllm.spec_decode.metrics import SpecDecodingProm
 
 # Bucket edges as vLLM uses them (seconds / tokens).
 _TTFT_BUCKETS = [
@@ -114,6 +115,7 @@ class PrometheusStatLogger:
         self.request_generation_tokens = histogram(
             "request_generation_tokens", "Generation tokens per finished request.", token_buckets
         )
+        self.spec_decoding = SpecDecodingProm(reg, labels, values)
 
     def record(
         self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None
@@ -127,6 +129,7 @@ class PrometheusStatLogger:
             self.prefix_hits.inc(scheduler_stats.prefix_cache_hits)
             if scheduler_stats.num_blocks_total:
                 self.cache_blocks.set(scheduler_stats.num_blocks_total)
+            self.spec_decoding.observe(scheduler_stats.spec_decode)
         if iteration_stats is None:
             return
         self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)

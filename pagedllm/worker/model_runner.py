@@ -28,6 +28,11 @@ from pagedllm.sample.logprobs import compute_token_logprobs
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.config import get_speculative_config
+from pagedllm.spec_decode.proposer import DraftBatch, make_proposer, run_proposer
+from pagedllm.spec_decode.rejection_sampler import RejectionSampler
+from pagedllm.spec_decode.verifier import verification_rows, verify_and_sample
+from pagedllm.structured_output.bitmask import apply_grammar_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +77,10 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.attn_layers: list[Attention] = []
         self.kv_caches: list[torch.Tensor] = []
+        # Speculative decoding (spec_decode/): a proposer drafts, the RejectionSampler verifies.
+        spec = get_speculative_config(config)
+        self.drafter = make_proposer(config, spec, device) if spec is not None else None
+        self.rejection_sampler = RejectionSampler()
 
     # ---- set-up ----------------------------------------------------------------------------
 
@@ -80,6 +89,8 @@ class ModelRunner:
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         if not self.attn_layers:
             raise RuntimeError("the model has no Attention layers to bind a KV cache to")
+        if self.drafter is not None:
+            self.drafter.load_model(self.model)
 
     def kv_cache_bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -87,6 +98,8 @@ class ModelRunner:
             2 * self.block_size * layer.num_kv_heads * layer.head_size * elem
             for layer in self.attn_layers
         )
+        if self.drafter is not None:  # a draft model / EAGLE head keeps its own KV per block
+            per_layer += self.drafter.kv_cache_bytes_per_block()
         return per_layer
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
@@ -100,6 +113,8 @@ class ModelRunner:
             layer.kv_cache = cache
             layer.backend = self.attn_backend
             self.kv_caches.append(cache)
+        if self.drafter is not None:
+            self.drafter.initialize_kv_cache(num_blocks, self.attn_backend)
 
     # ---- per-step state ---------------------------------------------------------------------
 
@@ -146,21 +161,15 @@ class ModelRunner:
         )
         hidden = self.model(input_ids, positions, attn_meta)  # [T, hidden]
 
-        # A request samples when this step's tokens reach the end of its known tokens.
-        ends = start + num_sched
-        samples = [int(ends[i]) >= s.num_tokens for i, s in enumerate(states)]
-        sample_rows = [i for i, ok in enumerate(samples) if ok]
+        # A request samples when this step's tokens reach the end of its known tokens; one with
+        # draft tokens verifies them and may emit up to k + 1 (see _sample_tokens).
         cu_ends = np.cumsum(num_sched)
-        sampled: list[list[int]] = [[] for _ in req_ids]
-        logprobs: list[LogprobsLists | None] = [None] * len(req_ids)
-        if sample_rows:
-            last_idx = torch.as_tensor(cu_ends[sample_rows] - 1, device=self.device)
-            logits = self.model.compute_logits(hidden[last_idx])  # [S, vocab] fp32
-            token_ids, row_logprobs = self._sample(logits, [states[i] for i in sample_rows])
-            for j, i in enumerate(sample_rows):
-                sampled[i] = [token_ids[j]]
-                states[i].append_output(sampled[i])
-                logprobs[i] = row_logprobs[j] if row_logprobs is not None else None
+        sampled, logprobs = self._sample_tokens(so, req_ids, states, start, num_sched, hidden)
+        spec_token_ids = None
+        if self.drafter is not None:
+            spec_token_ids = self._propose_drafts(
+                so, req_ids, states, start, num_sched, hidden, sampled
+            )
 
         prompt_logprobs = self._prompt_logprobs(hidden, states, start, num_sched, cu_ends)
         return ModelRunnerOutput(
@@ -169,7 +178,85 @@ class ModelRunner:
             sampled_token_ids=sampled,
             logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
             prompt_logprobs_dict=prompt_logprobs,
+            spec_token_ids=spec_token_ids,
         )
+
+    def _sample_tokens(
+        self,
+        so: SchedulerOutput,
+        req_ids: list[str],
+        states: list[CachedRequestState],
+        start: np.ndarray,  # [B]
+        num_sched: np.ndarray,  # [B]
+        hidden: torch.Tensor,  # [T, hidden]
+    ) -> tuple[list[list[int]], list[LogprobsLists | None]]:
+        """Sample every request whose scheduled tokens reach the end of its known tokens and
+        append the result to its state. A request with k draft tokens scheduled owns the last
+        k + 1 rows: the `RejectionSampler` verifies the drafts there and emits the accepted
+        ones plus one (spec_decode/verifier.py); without drafts anywhere in the batch the
+        plain `Sampler` samples one token per request from its last row."""
+        ends = start + num_sched
+        sample_rows = [i for i, s in enumerate(states) if int(ends[i]) >= s.num_tokens]
+        sampled: list[list[int]] = [[] for _ in req_ids]
+        logprobs: list[LogprobsLists | None] = [None] * len(req_ids)
+        if not sample_rows:
+            return sampled, logprobs
+        spec = so.scheduled_spec_decode_tokens
+        drafts = [spec.get(req_ids[i], []) for i in sample_rows]
+        num_drafts = np.fromiter(map(len, drafts), dtype=np.int64, count=len(drafts))
+        rows = verification_rows(np.cumsum(num_sched)[sample_rows] - 1, num_drafts)
+        logits = self.model.compute_logits(hidden[torch.from_numpy(rows).to(self.device)])
+        if so.grammar_bitmask is not None:  # structured outputs: mask what grammars forbid
+            # Structured requests get no drafts (one row each), so their rows line up.
+            row_req_ids = np.repeat(np.asarray(req_ids, dtype=object)[sample_rows], num_drafts + 1)
+            apply_grammar_bitmask(logits, so, row_req_ids.tolist())
+        sample_states = [states[i] for i in sample_rows]
+        if num_drafts.any():
+            token_lists, row_logprobs = verify_and_sample(
+                logits,
+                drafts,
+                [s.sampling_params for s in sample_states],
+                [s.prompt_token_ids for s in sample_states],
+                [s.output_token_ids for s in sample_states],
+                [s.generator for s in sample_states],
+                self.rejection_sampler,
+            )
+        else:
+            token_ids, row_logprobs = self._sample(logits, sample_states)
+            token_lists = [[t] for t in token_ids]
+        for j, i in enumerate(sample_rows):
+            sampled[i] = token_lists[j]
+            states[i].append_output(sampled[i])
+            logprobs[i] = row_logprobs[j] if row_logprobs is not None else None
+        return sampled, logprobs
+
+    def _propose_drafts(
+        self,
+        so: SchedulerOutput,
+        req_ids: list[str],
+        states: list[CachedRequestState],
+        start: np.ndarray,  # [B]
+        num_sched: np.ndarray,  # [B]
+        hidden: torch.Tensor,  # [T, hidden]
+        sampled: list[list[int]],
+    ) -> list[list[int]]:
+        """Draft the next step's tokens of every request that sampled (spec_decode/); the
+        proposer also refreshes its own KV for every position the target computed validly:
+        all scheduled rows but the rejected drafts."""
+        spec = so.scheduled_spec_decode_tokens
+        num_drafts = np.fromiter(
+            (len(spec.get(r, ())) for r in req_ids), dtype=np.int64, count=len(req_ids)
+        )
+        num_emitted = np.fromiter(map(len, sampled), dtype=np.int64, count=len(sampled))
+        batch = DraftBatch(
+            states=states,
+            start=start,
+            num_valid=num_sched - num_drafts + np.maximum(num_emitted - 1, 0),
+            row_start=np.cumsum(num_sched) - num_sched,
+            sample_idx=np.flatnonzero(num_emitted),
+            hidden=hidden,
+        )
+        return run_proposer(self.drafter, batch)
 
     def _prepare_inputs(
         self,

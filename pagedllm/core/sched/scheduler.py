@@ -47,9 +47,12 @@ from pagedllm.engine import (
     SchedulerStats,
 )
 from pagedllm.outputs import LogprobsLists, ModelRunnerOutput
+from pagedllm.spec_decode.config import get_speculative_config
+from pagedllm.spec_decode.metrics import SpecDecodingStats
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
+    from pagedllm.structured_output.manager import StructuredOutputManager
 
 
 @dataclass
@@ -92,7 +95,11 @@ class Scheduler:
     `self.running` (holding KV blocks) or in `self.waiting` (holding none).
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        structured_output_manager: StructuredOutputManager | None = None,
+    ) -> None:
         sched, cache = config.scheduler_config, config.cache_config
         if cache.num_blocks is None:
             raise ValueError(
@@ -122,11 +129,16 @@ class Scheduler:
         self.running: list[Request] = []
         # Finished or aborted since the last schedule(): the runner drops their state.
         self.finished_req_ids: set[str] = set()
-        # Extra slots to reserve per running request for draft tokens (speculative decoding).
-        self.num_lookahead_tokens = 0
+        # Extra slots to reserve per running request for draft tokens (speculative decoding),
+        # and the acceptance counters reported in SchedulerStats.spec_decode.
+        spec = get_speculative_config(config)
+        self.num_lookahead_tokens = spec.num_speculative_tokens if spec is not None else 0
+        self.spec_decoding_stats = SpecDecodingStats(spec.num_speculative_tokens) if spec else None
         self._num_preemptions = 0  # since the last make_stats()
         self.num_preemptions_total = 0  # since construction
         self._prompt_logprobs: dict[str, PromptLogprobsAccumulator] = {}
+        # Grammars of structured-output requests (None: such requests are not constrained).
+        self.structured_output_manager = structured_output_manager
 
     # ---- requests in and out ----------------------------------------------------------------
 
@@ -146,6 +158,8 @@ class Scheduler:
                 request.num_prompt_tokens
             )
         self.requests[request.request_id] = request
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.add_request(request)  # -> WAITING_FOR_FSM
         self.waiting.add_request(request)
 
     def finish_requests(
@@ -179,6 +193,8 @@ class Scheduler:
         del self.requests[request.request_id]
         self._prompt_logprobs.pop(request.request_id, None)
         self.finished_req_ids.add(request.request_id)
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.free_request(request.request_id)
 
     # ---- schedule ---------------------------------------------------------------------------
 
@@ -190,6 +206,8 @@ class Scheduler:
         if not state.preempted:
             self._schedule_waiting(state)
         output = self._make_output(state)
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.fill_bitmask(output, self.requests)
         for req_id, num_tokens in state.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_tokens
         self.finished_req_ids = set()
@@ -255,7 +273,10 @@ class Scheduler:
         """Whether a waiting request may be admitted now. Structured outputs hook in here: a
         request stays WAITING_FOR_FSM (and is skipped, keeping its place) until its grammar is
         compiled, when the structured-output manager sets it back to WAITING."""
-        return request.status != RequestStatus.WAITING_FOR_FSM
+        if request.status != RequestStatus.WAITING_FOR_FSM:
+            return True
+        som = self.structured_output_manager
+        return som is not None and som.is_ready(request)
 
     def _try_admit(self, request: Request, state: _StepState) -> bool:
         """Admit the head of the waiting queue with its first chunk; False if it must wait."""
@@ -369,6 +390,8 @@ class Scheduler:
             if drafts and sampled:
                 # len(drafts) + 1 positions were verified; the rejected ones are not computed.
                 request.num_computed_tokens -= len(drafts) + 1 - len(sampled)
+                if self.spec_decoding_stats is not None:
+                    self.spec_decoding_stats.observe_draft(len(drafts), len(sampled) - 1)
             accumulator = self._prompt_logprobs.get(req_id)
             if accumulator is not None and not accumulator.complete:
                 chunk = mro.prompt_logprobs_dict.get(req_id)
@@ -401,6 +424,9 @@ class Scheduler:
             kept.append(token_id)
             if check_stop(request, self.max_model_len):
                 break
+            som = self.structured_output_manager
+            if som is not None and som.accept_token(request, token_id):
+                break  # the grammar ended (or rejected the token): finished with "stop"
         if self.enable_caching:
             update_request_block_hashes(request, self.block_size)
         new_logprobs = logprobs_entries(lists, 0, len(kept)) if lists is not None else None
@@ -455,6 +481,7 @@ class Scheduler:
             prefix_cache_hits=prefix.hits,
             num_preemptions=num_preemptions,
             num_blocks_total=self.kv_cache_manager.num_blocks,
+            spec_decode=self.spec_decoding_stats.take() if self.spec_decoding_stats else None,
         )
 
     def reset_prefix_cache(self) -> bool:

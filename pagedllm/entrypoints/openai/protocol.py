@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagedllm.entrypoints.openai.structured_outputs import StructuredOutputsRequestMixin
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -75,8 +76,9 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool | None = False
 
 
-class SamplingRequestMixin(OpenAIBaseModel):
-    """Sampling fields shared by completions and chat (OpenAI's, then vLLM's extras)."""
+class SamplingRequestMixin(OpenAIBaseModel, StructuredOutputsRequestMixin):
+    """Sampling fields shared by completions and chat (OpenAI's, then vLLM's extras; the
+    structured-output fields come from `StructuredOutputsRequestMixin`)."""
 
     model: str | None = None
     frequency_penalty: float | None = 0.0
@@ -138,6 +140,7 @@ class SamplingRequestMixin(OpenAIBaseModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self.logit_bias,
+            structured_outputs=self.to_structured_outputs(),
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
 

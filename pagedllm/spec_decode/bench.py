@@ -1,0 +1,132 @@
+"""Speculative-decoding benchmark: output tokens/s with and without each proposer, and the mean
+acceptance length, at a few batch sizes; medians of several timed runs.
+
+    python -m pagedllm.spec_decode.bench --model DIR [--batch-sizes 1 16] \
+        [--methods none ngram draft_model eagle medusa] [--draft-model DIR] [--runs 3]
+
+Workload: greedy, EOS ignored, `--max-tokens` new tokens per request, prompts made of one
+sentence of the demo corpus repeated (a different sentence per request): text where prompt
+lookup has something to copy. `draft_model` defaults to the target itself (every draft is
+accepted: the upper bound of acceptance, at the full cost of the target per draft token);
+EAGLE and Medusa heads are random (built for the target under --work-dir) unless given, so
+their numbers show the overhead at near-zero acceptance. The engine core runs in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+
+def _prompts(tokenizer: Any, batch_size: int, min_tokens: int) -> list[list[int]]:
+    from pagedllm.testing.demo_model import _corpus_lines
+
+    lines = _corpus_lines()
+    prompts = []
+    for i in range(batch_size):
+        ids = tokenizer.encode(lines[i % len(lines)] + " ", add_special_tokens=False)
+        reps = -(-min_tokens // len(ids))
+        prompts.append(ids * reps)
+    return prompts
+
+
+def _spec_config(args: argparse.Namespace, method: str) -> dict[str, Any] | None:
+    from pagedllm.spec_decode.testing import make_eagle_head, make_medusa_heads
+
+    k = args.num_speculative_tokens
+    if method == "none":
+        return None
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
+                "prompt_lookup_max": 5}  # fmt: skip
+    if method == "draft_model":
+        return {"method": method, "num_speculative_tokens": k,
+                "model": args.draft_model or args.model}  # fmt: skip
+    if method == "eagle":
+        head = args.eagle or make_eagle_head(os.path.join(args.work_dir, "eagle"), args.model)
+        return {"method": method, "num_speculative_tokens": k, "model": head}
+    if method == "medusa":
+        heads = args.medusa or make_medusa_heads(
+            os.path.join(args.work_dir, "medusa"), args.model, num_heads=k
+        )
+        return {"method": method, "num_speculative_tokens": k, "model": heads}
+    raise ValueError(f"method={method!r} is not one of none, ngram, draft_model, eagle, medusa")
+
+
+def run_one(args: argparse.Namespace, method: str, batch_size: int) -> dict[str, Any]:
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.spec_decode.metrics import SpecDecodingRecorder
+
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        kv_cache_memory=args.kv_cache_memory,
+        speculative_config=_spec_config(args, method),
+    )
+    prompts = [
+        {"prompt_token_ids": p}
+        for p in _prompts(llm.get_tokenizer(), batch_size, args.prompt_tokens)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    recorder = SpecDecodingRecorder()
+    llm.llm_engine.stat_loggers.append(recorder)
+    times = []
+    for _ in range(args.runs):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        times.append(time.perf_counter() - t0)
+    num_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    llm.shutdown()
+    median = statistics.median(times)
+    return {
+        "method": method,
+        "batch_size": batch_size,
+        "output_tokens_per_s": num_tokens / median,
+        "median_s": median,
+        "mean_acceptance_length": recorder.mean_acceptance_length if method != "none" else 1.0,
+        "times_s": times,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--methods", nargs="+", default=["none", "ngram", "draft_model"])
+    parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 16])
+    parser.add_argument("--num-speculative-tokens", type=int, default=3)
+    parser.add_argument("--draft-model", default=None, help="default: the target itself")
+    parser.add_argument("--eagle", default=None, help="EAGLE head dir (default: random)")
+    parser.add_argument("--medusa", default=None, help="Medusa heads dir (default: random)")
+    parser.add_argument("--work-dir", default="/tmp/pagedllm-spec-bench")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=int, default=96)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--kv-cache-memory", type=int, default=1 << 30)
+    parser.add_argument("--output-json", default=None)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")
+    results = []
+    for batch_size in args.batch_sizes:
+        for method in args.methods:
+            r = run_one(args, method, batch_size)
+            results.append(r)
+            print(
+                f"batch {batch_size:3d}  {method:12s}  {r['output_tokens_per_s']:8.1f} tok/s  "
+                f"mean acceptance length {r['mean_acceptance_length']:.2f}  "
+                f"(runs: {', '.join(f'{t:.2f}s' for t in r['times_s'])})",
+                flush=True,
+            )
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,65 @@
+"""Draft-model proposer: a second, smaller checkpoint with the target's vocabulary drafts k
+tokens greedily, autoregressively, for the whole batch at once.
+
+Per step, after verification:
+1. One forward of the draft model over every scheduled request's valid tokens (those whose
+   target KV is valid now: prompt chunks, the last token, accepted drafts) plus, for a request
+   that sampled, its newest token. This rewrites the draft's KV for exactly the positions the
+   target computed (rejected drafts' slots are overwritten) and its last row predicts d_1.
+2. k - 1 single-token decode passes over the sampling requests: d_j at the next position
+   predicts d_{j+1}. Their KV lands in the lookahead slots the scheduler reserved; the next
+   step's first pass overwrites whatever the target does not accept.
+A request still prefilling contributes step 1 only (its KV), and no drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedllm.spec_decode.proposer import (
+    DraftBatch,
+    PagedModelProposer,
+    draft_limits,
+    gather_token_ids,
+)
+
+
+class DraftModelProposer(PagedModelProposer):
+    """Greedy drafts from a small causal LM loaded with the engine's own model loader."""
+
+    def load_model(self, target_model: nn.Module) -> None:
+        from pagedllm.models.loader import get_model
+
+        draft_config = replace(self.config, model_config=self.spec.draft_model_config, extra={})
+        self.model = get_model(draft_config)
+
+    def propose(self, batch: DraftBatch) -> list[list[int]]:
+        states, idx = batch.states, batch.sample_idx
+        sampled = np.zeros(len(states), dtype=np.int64)
+        sampled[idx] = 1
+        counts = batch.num_valid + sampled  # [B] rows of the first pass
+        table = self.block_table(states)
+        meta, positions = self.attention_metadata(table, batch.start, counts)
+        input_ids = torch.from_numpy(gather_token_ids(states, batch.start, counts))
+        hidden = self.model(input_ids.to(self.device), positions, meta)  # [N, hidden]
+        if idx.size == 0:
+            return []
+        last_rows = torch.from_numpy(np.cumsum(counts)[idx] - 1).to(self.device)
+        token = self.model.compute_logits(hidden[last_rows]).argmax(dim=-1)  # [S]
+        limits = draft_limits([states[i] for i in idx.tolist()], self.k)
+        num_steps = max(limits, default=0)
+        drafts = [token]
+        next_pos = batch.start[idx] + counts[idx]  # [S] position of d_1
+        sub_table = table[idx]
+        ones = np.ones(len(idx), dtype=np.int64)
+        for j in range(1, num_steps):
+            meta, positions = self.attention_metadata(sub_table, next_pos + (j - 1), ones)
+            hidden = self.model(token, positions, meta)  # [S, hidden]
+            token = self.model.compute_logits(hidden).argmax(dim=-1)
+            drafts.append(token)
+        rows = torch.stack(drafts, dim=1).tolist()  # [S, num_steps]
+        return [row[:n] for row, n in zip(rows, limits)]

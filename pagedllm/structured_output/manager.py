@@ -1,0 +1,240 @@
+"""StructuredOutputManager: the engine core's side of structured outputs.
+
+A request with `structured_outputs` enters the scheduler in WAITING_FOR_FSM while its grammar
+compiles on a small thread pool (compiled grammars are cached by spec, so a repeated schema is
+ready at once). The scheduler asks `is_ready` before admitting it; once compiled, the request
+gets its own matcher and becomes WAITING. Every step, `fill_bitmask` writes one packed int32
+row of allowed tokens per structured request that samples this step into the SchedulerOutput
+(the model runner masks those logits rows with it); after sampling, `accept_token` advances the
+matcher with each appended token, and a matcher that has terminated (accepted a stop token)
+finishes the request with reason "stop".
+
+State lives here, keyed by request id, from `add_request` to `free_request`. Preemption keeps
+it: a preempted request recomputes its prompt and generated tokens without sampling them again,
+so its matcher, which already accepted them, stays where it is. `n > 1` children are separate
+requests with separate matchers over one shared compiled grammar. A partial prefill chunk does
+not sample, so it gets no bitmask row.
+
+Speculative decoding (later; for now the proposer drafts nothing for structured requests): a
+request verifying k drafts needs k + 1 rows (accept each draft tentatively, fill the next row,
+then roll back) and, after sampling, a rollback of the rejected tokens (`XgrammarGrammar.
+rollback`); `fill_bitmask` is where the rows are laid out.
+
+The manager is built unconditionally but costs nothing until the first structured request:
+the tokenizer, TokenizerInfo and compiler are created then, on the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pagedllm.core.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from pagedllm.config import EngineConfig
+    from pagedllm.core.sched.output import SchedulerOutput
+    from pagedllm.structured_output.backend_xgrammar import XgrammarBackend, XgrammarGrammar
+
+logger = logging.getLogger(__name__)
+
+# Compiled grammars kept for reuse (oldest dropped first).
+MAX_CACHED_GRAMMARS = 256
+
+
+@dataclass
+class _RequestGrammar:
+    """One structured request's grammar: compiling (`future`), ready (`grammar`), or failed."""
+
+    future: Future
+    grammar: XgrammarGrammar | None = None
+    error: str | None = None
+
+
+class StructuredOutputManager:
+    """Compiles grammars, fills token bitmasks and advances matchers for the Scheduler.
+
+    Not thread-safe: every method is called from the engine core's thread; only compiles run
+    on the pool (and touch nothing but the backend)."""
+
+    def __init__(self, config: EngineConfig, max_workers: int | None = None) -> None:
+        self.config = config
+        self.vocab_size = config.model_config.vocab_size
+        self.max_workers = max_workers or max(1, min(4, (os.cpu_count() or 2) // 2))
+        self._backend: XgrammarBackend | None = None
+        self._backend_lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._compiled: OrderedDict[tuple, Future] = OrderedDict()
+        self._requests: dict[str, _RequestGrammar] = {}
+        self._bitmask_buffer: torch.Tensor | None = None  # int32 [rows, words], grown on demand
+
+    # ---- backend -----------------------------------------------------------------------------
+
+    @property
+    def backend(self) -> XgrammarBackend:
+        """The xgrammar backend, built on first use (loads the tokenizer)."""
+        with self._backend_lock:
+            if self._backend is None:
+                from pagedllm.structured_output.backend_xgrammar import XgrammarBackend
+                from pagedllm.transformers_utils.tokenizer import get_tokenizer
+
+                mc = self.config.model_config
+                tokenizer = get_tokenizer(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
+                stops = list(mc.eos_token_ids)
+                if tokenizer.eos_token_id is not None:
+                    stops.append(tokenizer.eos_token_id)
+                self._backend = XgrammarBackend(
+                    tokenizer, self.vocab_size, stops, max_threads=self.max_workers
+                )
+            return self._backend
+
+    def _compile_async(self, request: Request) -> Future:
+        spec = request.sampling_params.structured_outputs
+        key = spec.cache_key()
+        future = self._compiled.get(key)
+        if future is not None:
+            self._compiled.move_to_end(key)
+            return future
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                max_workers=self.max_workers, thread_name_prefix="pagedllm-grammar"
+            )
+        future = self._executor.submit(lambda: self.backend.compile(spec))
+        self._compiled[key] = future
+        while len(self._compiled) > MAX_CACHED_GRAMMARS:
+            self._compiled.popitem(last=False)
+        return future
+
+    # ---- request lifetime (Scheduler hooks) -------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Start compiling a structured request's grammar; it waits in WAITING_FOR_FSM unless
+        the grammar is already compiled. No-op for other requests."""
+        if request.sampling_params.structured_outputs is None:
+            return
+        state = _RequestGrammar(future=self._compile_async(request))
+        self._requests[request.request_id] = state
+        request.status = RequestStatus.WAITING_FOR_FSM
+        self.is_ready(request)
+
+    def is_ready(self, request: Request) -> bool:
+        """Whether a WAITING_FOR_FSM request's grammar is compiled; if so it gets its matcher
+        and becomes WAITING. A compile that failed in the core (the front end validates first,
+        so this is not expected) is logged, and the request may then only stop."""
+        state = self._requests.get(request.request_id)
+        if state is None:
+            return True
+        if state.grammar is None and state.error is None:
+            if not state.future.done():
+                return False
+            try:
+                state.grammar = self.backend.new_grammar(state.future.result())
+            except Exception as e:  # noqa: BLE001 - reported per request, engine keeps going
+                state.error = f"{type(e).__name__}: {e}"
+                logger.error(
+                    "structured outputs of request %s failed to compile, so it can only stop: %s",
+                    request.request_id,
+                    state.error,
+                )
+        if request.status == RequestStatus.WAITING_FOR_FSM:
+            request.status = RequestStatus.WAITING
+        return True
+
+    def free_request(self, request_id: str) -> None:
+        """Forget a finished or aborted request (its compiled grammar stays cached)."""
+        self._requests.pop(request_id, None)
+
+    # ---- per step ---------------------------------------------------------------------------
+
+    def fill_bitmask(self, output: SchedulerOutput, requests: dict[str, Request]) -> None:
+        """Set `output.structured_output_request_ids` (req id -> bitmask row) and
+        `output.grammar_bitmask` (numpy int32 [rows, ceil(vocab / 32)]) for the structured
+        requests that sample in `output`. Call before the scheduled requests'
+        `num_computed_tokens` are advanced."""
+        if not self._requests:
+            return
+        rows: dict[str, int] = {}
+        for req_id, num_tokens in output.num_scheduled_tokens.items():
+            if req_id not in self._requests:
+                continue
+            request = requests[req_id]
+            if request.num_computed_tokens + num_tokens < request.num_tokens:
+                continue  # a partial prefill chunk: nothing is sampled
+            rows[req_id] = len(rows)
+        if not rows:
+            return
+        bitmask = self._bitmask(len(rows))
+        for req_id, row in rows.items():
+            state = self._requests[req_id]
+            if state.grammar is not None:
+                state.grammar.fill_bitmask(bitmask, row)
+            else:
+                self._fill_stop_only(bitmask, row, requests[req_id])
+        output.structured_output_request_ids = rows
+        output.grammar_bitmask = bitmask[: len(rows)].numpy().copy()
+
+    def _bitmask(self, num_rows: int) -> torch.Tensor:
+        buffer = self._bitmask_buffer
+        if buffer is None or buffer.shape[0] < num_rows:
+            capacity = max(num_rows, self.config.scheduler_config.max_num_seqs)
+            words = (self.vocab_size + 31) // 32
+            self._bitmask_buffer = buffer = torch.full((capacity, words), -1, dtype=torch.int32)
+        return buffer
+
+    def _fill_stop_only(self, bitmask: torch.Tensor, row: int, request: Request) -> None:
+        """A row that allows only the request's stop tokens (for a failed grammar)."""
+        params = request.sampling_params
+        stops = set(params.all_stop_token_ids)
+        for eos in (request.eos_token_id, params.eos_token_id):
+            if eos is not None:
+                stops.add(eos)
+        words = bitmask[row].numpy().view(np.uint32)
+        words[:] = 0 if stops else 0xFFFFFFFF
+        for t in stops:
+            if t < self.vocab_size:
+                words[t // 32] |= np.uint32(1 << (t % 32))
+
+    def accept_token(self, request: Request, token_id: int) -> bool:
+        """Advance the request's matcher by one appended token. True (and the request is
+        FINISHED_STOPPED) when the grammar has ended or cannot take the token. Always False
+        for requests without structured outputs."""
+        state = self._requests.get(request.request_id)
+        if state is None:
+            return False
+        grammar = state.grammar
+        if grammar is None:
+            ended = True
+        elif not grammar.accept_token(token_id):
+            logger.warning(
+                "request %s: token %d is not allowed by its grammar; stopping it",
+                request.request_id,
+                token_id,
+            )
+            ended = True
+        else:
+            ended = grammar.is_terminated()
+        if ended:
+            request.status = RequestStatus.FINISHED_STOPPED
+        return ended
+
+    # ---- queries ----------------------------------------------------------------------------
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None

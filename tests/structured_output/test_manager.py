@@ -1,0 +1,192 @@
+"""StructuredOutputManager inside the Scheduler, without a model: a fake runner samples a random
+token the step's bitmask allows. Covers WAITING_FOR_FSM, the compile cache, bitmask rows (none
+for a partial prefill chunk), the grammar's end finishing a request, preemption, aborts and a
+grammar that fails to compile in the core."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.sched.scheduler import Scheduler
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.structured_output.bitmask import unpack_bitmask
+from pagedllm.structured_output.manager import StructuredOutputManager
+from pagedllm.testing.demo_model import END_OF_TURN_ID, EOS_ID
+from tests.core.utils import make_runner_output
+from tests.structured_output.schemas import CHOICES, PERSON_SCHEMA, check_json
+
+VOCAB = 512
+CHOICE = StructuredOutputsParams(choice=CHOICES)
+PERSON = StructuredOutputsParams(json=PERSON_SCHEMA, disable_any_whitespace=True)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_dir):
+    from pagedllm.transformers_utils.tokenizer import get_tokenizer
+
+    return get_tokenizer(tiny_llama_dir)
+
+
+@pytest.fixture
+def make_scheduler(tiny_llama_dir, make_engine_config):
+    def make(max_num_batched_tokens: int = 512, num_blocks: int = 256):
+        config = make_engine_config(tiny_llama_dir)
+        config.scheduler_config.max_num_batched_tokens = max_num_batched_tokens
+        config.cache_config.num_blocks = num_blocks
+        manager = StructuredOutputManager(config)
+        return Scheduler(config, manager), manager
+
+    return make
+
+
+def _request(req_id: str, spec=None, prompt_len: int = 8, **kwargs) -> Request:
+    params = SamplingParams(structured_outputs=spec, **{"max_tokens": 300, **kwargs})
+    params.update_from_generation_config({}, [EOS_ID, END_OF_TURN_ID])
+    prompt = [10 + (i * 7 + len(req_id)) % 400 for i in range(prompt_len)]
+    return Request(req_id, prompt, params, eos_token_id=EOS_ID)
+
+
+def _allowed(so, req_id: str) -> list[int]:
+    row = so.structured_output_request_ids[req_id]
+    packed = torch.from_numpy(so.grammar_bitmask[row : row + 1])
+    return torch.nonzero(unpack_bitmask(packed, VOCAB)[0]).flatten().tolist()
+
+
+def _step(scheduler: Scheduler, rng: random.Random, forced: dict[str, int] | None = None):
+    """schedule -> fake runner (a random allowed token, 100 for unconstrained requests) ->
+    update. Returns (scheduler output, engine outputs)."""
+    so = scheduler.schedule()
+    tokens = {}
+    for req_id in so.num_scheduled_tokens:
+        if forced and req_id in forced:
+            tokens[req_id] = [forced[req_id]]
+        elif req_id in so.structured_output_request_ids:
+            tokens[req_id] = [rng.choice(_allowed(so, req_id))]
+        else:
+            tokens[req_id] = [100]
+    outputs = scheduler.update_from_output(so, make_runner_output(scheduler, so, tokens))
+    scheduler.check_integrity()
+    return so, outputs
+
+
+def _run(scheduler: Scheduler, seed: int = 0, max_steps: int = 2000) -> dict[str, list]:
+    rng = random.Random(seed)
+    results: dict[str, list] = {}
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            return results
+        _, outputs = _step(scheduler, rng)
+        for out in outputs.outputs:
+            entry = results.setdefault(out.request_id, [[], None])
+            entry[0].extend(out.new_token_ids)
+            entry[1] = out.finish_reason
+    raise AssertionError("requests did not finish")
+
+
+def _text(tokenizer, token_ids: list[int]) -> str:
+    return tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def test_waits_for_fsm_without_blocking_others(make_scheduler):
+    scheduler, manager = make_scheduler()
+    gate = threading.Event()
+    compile_ = manager.backend.compile
+    manager.backend.compile = lambda spec: (gate.wait(10), compile_(spec))[1]
+    structured, plain = _request("s", CHOICE), _request("p")
+    scheduler.add_request(structured)
+    scheduler.add_request(plain)
+    assert structured.status == RequestStatus.WAITING_FOR_FSM
+    so, _ = _step(scheduler, random.Random(0))
+    assert list(so.num_scheduled_tokens) == ["p"] and so.grammar_bitmask is None
+    gate.set()
+    manager._requests["s"].future.result(timeout=10)
+    so, _ = _step(scheduler, random.Random(0))
+    assert "s" in so.num_scheduled_tokens and so.structured_output_request_ids == {"s": 0}
+    assert so.grammar_bitmask.shape == (1, VOCAB // 32) and so.grammar_bitmask.dtype.name == "int32"
+    # The compiled grammar is cached: a request with the same spec is ready at once.
+    again = _request("s2", StructuredOutputsParams(choice=list(CHOICES)))
+    scheduler.add_request(again)
+    assert again.status == RequestStatus.WAITING
+
+
+def test_runs_to_the_end_of_the_grammar(make_scheduler, tokenizer):
+    scheduler, manager = make_scheduler()
+    for i in range(6):
+        scheduler.add_request(_request(f"c{i}", CHOICE, ignore_eos=True))
+        scheduler.add_request(_request(f"j{i}", PERSON))
+    scheduler.add_request(_request("plain", max_tokens=5))
+    results = _run(scheduler)
+    for req_id, (tokens, reason) in results.items():
+        if req_id == "plain":
+            assert tokens == [100] * 5 and str(reason) == "length"
+            continue
+        assert str(reason) == "stop"
+        assert tokens[-1] in (EOS_ID, END_OF_TURN_ID)  # ended by a stop token the grammar chose
+        text = _text(tokenizer, tokens)
+        if req_id.startswith("c"):
+            assert text in CHOICES  # ignore_eos: the grammar's end finished it
+        else:
+            check_json(text, PERSON_SCHEMA)
+    assert manager.num_requests == 0
+
+
+def test_no_bitmask_row_for_a_partial_prefill_chunk(make_scheduler):
+    scheduler, _ = make_scheduler(max_num_batched_tokens=16)
+    scheduler.add_request(_request("s", CHOICE, prompt_len=40))
+    scheduler.structured_output_manager._requests["s"].future.result(timeout=10)
+    rows = [_step(scheduler, random.Random(0))[0].structured_output_request_ids for _ in range(4)]
+    assert rows == [{}, {}, {"s": 0}, {"s": 0}]  # chunks of 16, 16, 8 tokens; then a decode
+
+
+def test_preemption_keeps_the_matcher(make_scheduler, tokenizer):
+    """Two long requests in a cache that holds one: they preempt each other, recompute their
+    generated tokens, and their matchers (not re-fed) still produce whole JSON documents."""
+    scheduler, manager = make_scheduler(num_blocks=32)  # 512 tokens, the tiny max_model_len
+    for i in range(3):
+        scheduler.add_request(_request(f"r{i}", PERSON, prompt_len=200))
+    results = _run(scheduler, seed=1)
+    assert scheduler.num_preemptions_total > 0
+    for tokens, reason in results.values():
+        assert str(reason) == "stop"
+        check_json(_text(tokenizer, tokens), PERSON_SCHEMA)
+
+
+def test_a_rejected_token_stops_the_request(make_scheduler, tokenizer):
+    scheduler, manager = make_scheduler()
+    scheduler.add_request(_request("s", CHOICE))
+    manager._requests["s"].future.result(timeout=10)
+    z = tokenizer.convert_tokens_to_ids("z")  # no choice starts with "z"
+    so, outputs = _step(scheduler, random.Random(0), forced={"s": z})
+    assert z not in _allowed(so, "s")
+    (out,) = outputs.outputs
+    assert out.new_token_ids == [z] and str(out.finish_reason) == "stop"
+    assert manager.num_requests == 0
+
+
+def test_abort_while_compiling_frees_the_state(make_scheduler):
+    scheduler, manager = make_scheduler()
+    gate = threading.Event()
+    compile_ = manager.backend.compile
+    manager.backend.compile = lambda spec: (gate.wait(10), compile_(spec))[1]
+    scheduler.add_request(_request("s", CHOICE))
+    scheduler.finish_requests("s", RequestStatus.FINISHED_ABORTED)
+    gate.set()
+    assert manager.num_requests == 0 and not scheduler.has_unfinished_requests()
+
+
+def test_a_grammar_failing_in_the_core_can_only_stop(make_scheduler):
+    """The front end rejects bad specs; should one reach the core anyway, its request is
+    logged and ends at once with a stop token instead of running unconstrained."""
+    scheduler, manager = make_scheduler()
+    bad = StructuredOutputsParams(regex="[a-")  # no front-end validation on this path
+    scheduler.add_request(_request("bad", bad))
+    manager._requests["bad"].future.exception(timeout=10)
+    so, outputs = _step(scheduler, random.Random(0))
+    assert set(_allowed(so, "bad")) == {EOS_ID, END_OF_TURN_ID}
+    (out,) = outputs.outputs
+    assert str(out.finish_reason) == "stop" and out.new_token_ids[0] in (EOS_ID, END_OF_TURN_ID)
