@@ -41,9 +41,20 @@ class IncrementalDetokenizer:
 
             self._backend = backend
             self._stream = DecodeStream(
-                ids=list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]),
+                ids=self._clean_context(prompt_token_ids),
                 skip_special_tokens=self.skip_special_tokens,
             )
+
+    def _clean_context(self, prompt_token_ids: list[int]) -> list[int]:
+        """The prompt's last few tokens, unless they end inside a multi-byte character (a
+        token-id prompt can): the stream would then emit that dangling tail in front of the
+        first output token, so it starts without context instead."""
+        context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        try:
+            text = self.tokenizer.decode(context, skip_special_tokens=self.skip_special_tokens)
+        except Exception:
+            return []
+        return [] if text.endswith("\ufffd") else context
 
     def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
         """Append tokens; return the stop string that ended the text, if any.

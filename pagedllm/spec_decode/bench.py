@@ -5,7 +5,7 @@ acceptance length, at a few batch sizes; medians of several timed runs.
         [--methods none ngram draft_model eagle medusa] [--draft-model DIR] [--runs 3]
 
 Workload: greedy, EOS ignored, `--max-tokens` new tokens per request, prompts made of one
-sentence of the demo corpus repeated (a different sentence per request): text where prompt
+English sentence repeated (a different sentence per request): text where prompt
 lookup has something to copy. `draft_model` defaults to the target itself (every draft is
 accepted: the upper bound of acceptance, at the full cost of the target per draft token);
 EAGLE and Medusa heads are random (built for the target under --work-dir) unless given, so
@@ -21,16 +21,27 @@ import statistics
 import time
 from typing import Any
 
+_SENTENCES = [
+    "The farmer counted his sheep every evening, and every evening one of them was missing.",
+    "Each block holds the keys and values of sixteen tokens, so a long prompt needs many.",
+    "She opened the window, looked at the river, and wrote three short letters.",
+    "The library closes early on Sundays, so we went to the market and bought bread.",
+    "Light travels faster than sound, which is why we see the lightning first.",
+    "Once upon a time there was a small village by the sea where everyone knew each other.",
+    "Water boils at one hundred degrees, and ice melts above zero.",
+    "A good question is often more useful than a quick answer, said the old teacher.",
+]
+
 
 def _prompts(tokenizer: Any, batch_size: int, min_tokens: int) -> list[list[int]]:
-    from pagedllm.testing.demo_model import _corpus_lines
-
-    lines = _corpus_lines()
+    """One sentence per request, repeated to at least `min_tokens` tokens."""
     prompts = []
     for i in range(batch_size):
-        ids = tokenizer.encode(lines[i % len(lines)] + " ", add_special_tokens=False)
-        reps = -(-min_tokens // len(ids))
-        prompts.append(ids * reps)
+        sentence = _SENTENCES[i % len(_SENTENCES)]
+        if i >= len(_SENTENCES):
+            sentence = sentence.lower() if i // len(_SENTENCES) % 2 else sentence.upper()
+        ids = tokenizer.encode(sentence + " ", add_special_tokens=False)
+        prompts.append(ids * -(-min_tokens // len(ids)))
     return prompts
 
 
@@ -57,6 +68,19 @@ def _spec_config(args: argparse.Namespace, method: str) -> dict[str, Any] | None
     raise ValueError(f"method={method!r} is not one of none, ngram, draft_model, eagle, medusa")
 
 
+class _StepCounter:
+    """Counts engine steps (one SchedulerStats per step) as a stat logger."""
+
+    def __init__(self) -> None:
+        self.num_steps = 0
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any = None) -> None:
+        self.num_steps += scheduler_stats is not None
+
+    def log(self) -> None:
+        pass
+
+
 def run_one(args: argparse.Namespace, method: str, batch_size: int) -> dict[str, Any]:
     from pagedllm import LLM, SamplingParams
     from pagedllm.spec_decode.metrics import SpecDecodingRecorder
@@ -75,6 +99,8 @@ def run_one(args: argparse.Namespace, method: str, batch_size: int) -> dict[str,
     llm.generate(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     recorder = SpecDecodingRecorder()
     llm.llm_engine.stat_loggers.append(recorder)
+    steps = _StepCounter()
+    llm.llm_engine.stat_loggers.append(steps)
     times = []
     for _ in range(args.runs):
         t0 = time.perf_counter()
@@ -89,6 +115,9 @@ def run_one(args: argparse.Namespace, method: str, batch_size: int) -> dict[str,
         "output_tokens_per_s": num_tokens / median,
         "median_s": median,
         "mean_acceptance_length": recorder.mean_acceptance_length if method != "none" else 1.0,
+        # Verified drafts per engine step (prefill steps included): how often a draft existed.
+        "drafts_per_step": recorder.num_drafts / max(steps.num_steps, 1),
+        "tokens_per_step": num_tokens * args.runs / max(steps.num_steps, 1),
         "times_s": times,
     }
 
@@ -119,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"batch {batch_size:3d}  {method:12s}  {r['output_tokens_per_s']:8.1f} tok/s  "
                 f"mean acceptance length {r['mean_acceptance_length']:.2f}  "
+                f"tokens/step/request {r['tokens_per_step'] / batch_size:.2f}  "
                 f"(runs: {', '.join(f'{t:.2f}s' for t in r['times_s'])})",
                 flush=True,
             )

@@ -221,3 +221,16 @@ def test_bad_input_raises_before_scheduling(shared_llm, prompt, params, match):
 def test_unknown_engine_argument(llama_dir):
     with pytest.raises(ValueError, match="max_num_seq"):
         LLM(model=llama_dir, max_num_seq=4)
+
+
+def test_text_after_prompt_ending_mid_character(shared_llm):
+    """A token-id prompt may end inside a multi-byte character: its dangling bytes must not
+    leak into the output text, which is exactly the decode of the output tokens."""
+    tok = shared_llm.get_tokenizer()
+    # Byte-level BPE: the first byte of a 3-byte character alone is an incomplete sequence.
+    lead_byte = [t for t in tok.encode("\u20ac", add_special_tokens=False)][:1]
+    assert tok.decode(lead_byte).endswith("\ufffd")
+    prompt = tok.encode("Hello world", add_special_tokens=False) + lead_byte
+    out = shared_llm.generate({"prompt_token_ids": prompt}, _greedy(8), use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)

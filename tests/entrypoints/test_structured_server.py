@@ -41,11 +41,8 @@ MESSAGES = [{"role": "user", "content": "Give me a record."}]
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    # One torch thread: the tiny model's kernels are too small to share a busy machine's cores.
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")
-        with RemoteServer(tiny_llama_dir, SERVER_ARGS) as srv:
-            yield srv
+    with RemoteServer(tiny_llama_dir, SERVER_ARGS) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -187,3 +187,37 @@ def test_logprobs_with_drafts(target_dir, spec_configs):
         assert lp_a.keys() == lp_b.keys()
         for tok in lp_a:
             assert lp_a[tok].logprob == pytest.approx(lp_b[tok].logprob, abs=1e-4)
+
+
+def test_structured_outputs_next_to_speculating_requests(target_dir, spec_configs, reference):
+    """Structured requests get no drafts (their grammar masks one row each) while their
+    unconstrained neighbours keep speculating, token-identical to plain greedy."""
+    import re
+
+    from pagedllm import StructuredOutputsParams
+
+    llm = LLM(
+        model=target_dir,
+        dtype="float32",
+        kv_cache_memory=KV_BYTES,
+        speculative_config=spec_configs["draft_is_target"],
+    )
+    totals = _track_acceptance(llm)
+    prompts = _prompts()
+    regex = r"[a-z]{3,8}@[a-z]{3,6}\.(com|org)"
+    structured = SamplingParams(
+        temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=regex)
+    )
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts[:3]],
+        [_greedy(), structured, _greedy()],
+        use_tqdm=False,
+    )
+    assert list(outs[0].outputs[0].token_ids) == reference[0]
+    assert list(outs[2].outputs[0].token_ids) == reference[2]
+    # Checked on the tokens: a random prompt may end inside a UTF-8 sequence, which the
+    # detokenizer then prepends to the first output text.
+    assert re.fullmatch(
+        regex, llm.get_tokenizer().decode(outs[1].outputs[0].token_ids, skip_special_tokens=True)
+    )
+    assert totals.num_drafts > 0
