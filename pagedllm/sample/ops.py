@@ -196,21 +196,21 @@ def apply_top_k_top_p(
 
 def random_sample(weights: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """Draw one token per row of `weights [B, V]` (probabilities, or any non-negative multiple
-    of them) -> [B] int64, with no host sync. `weights` is overwritten.
+    of them) -> [B] int64, with no host sync. `weights` is not modified.
 
-    Exponential race: argmax(w_i / E_i) with E_i ~ Exponential(1) i.i.d. picks token i with
-    probability w_i / sum(w). Rows in `generators` (row -> torch.Generator) draw their noise
-    from it, so a seeded request's tokens do not depend on which other rows share the batch;
-    the other rows use the global RNG. E = -log(1 - U) for U ~ Uniform[0, 1), several times
-    faster than `exponential_` on the CPU; the code keeps -E = log1p(-U) in (-inf, 0] and takes
-    argmin(w / -E), which saves a pass over [B, V].
+    Inverse CDF: with c = cumsum(w) and u ~ Uniform[0, c_V), the first token whose c_i > u is
+    token i with probability w_i / sum(w); a masked token (w_i = 0) has an empty interval and is
+    never drawn. One uniform per row instead of one per token (the exponential race): about 12x
+    cheaper on the CPU at a 32k vocabulary. Rows in `generators` (row -> torch.Generator) draw
+    their uniform from it, so a seeded request's tokens do not depend on which other rows share
+    the batch; the other rows use the global RNG.
     """
-    noise = torch.empty_like(weights)
-    if len(generators) < weights.shape[0]:
-        noise.uniform_()
+    num_rows, vocab_size = weights.shape
+    cdf = weights.cumsum(dim=-1)  # [B, V]
+    u = torch.empty(num_rows, 1, dtype=cdf.dtype, device=cdf.device)  # [B, 1]
+    if len(generators) < num_rows:
+        u.uniform_()
     for row, generator in generators.items():
-        noise[row].uniform_(generator=generator)
-    neg_exp = noise.neg_().log1p_()  # -E, [B, V]
-    # -E = 0 (U = 0) would give 0/0 = NaN for a masked token, and argmin prefers NaN.
-    neg_exp.clamp_max_(-torch.finfo(noise.dtype).tiny)
-    return weights.div_(neg_exp).argmin(dim=-1)
+        u[row].uniform_(generator=generator)
+    u.mul_(cdf[:, -1:])
+    return torch.searchsorted(cdf, u, right=True).squeeze_(1).clamp_max_(vocab_size - 1)

@@ -78,7 +78,10 @@ def test_sampling_keeps_the_target_distribution(q_name):
     assert _tv(first, P) < 0.015
     has_second = out.num_accepted >= 1
     if bool(has_second.any()):
-        assert _tv(out.output_token_ids[has_second, 1], P) < 0.02
+        # The expected TV of n draws from P is about 0.73 / sqrt(n); the accepted subset can
+        # be a few thousand draws, so the bound scales with it (3x the expectation).
+        n = int(has_second.sum())
+        assert _tv(out.output_token_ids[has_second, 1], P) < max(0.02, 3 * 0.73 / n**0.5)
     if q_name == "q_equals_p":
         assert bool((out.num_accepted == k).all())  # p/q == 1: every draft is accepted
     if q_name == "disjoint_q":
