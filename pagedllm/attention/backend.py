@@ -17,6 +17,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -33,6 +34,32 @@ class CommonAttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+
+    @classmethod
+    def from_numpy(
+        cls,
+        query_start_loc: np.ndarray,  # [num_reqs + 1]
+        seq_lens: np.ndarray,  # [num_reqs]
+        block_table: np.ndarray,  # [num_reqs, max_blocks_per_req]
+        slot_mapping: np.ndarray,  # [num_tokens]
+        block_size: int,
+        device: torch.device,
+    ) -> CommonAttentionMetadata:
+        """Build from host arrays (the runner prepares a step's batch with numpy)."""
+        seq_lens = seq_lens.astype(np.int32)
+        return cls(
+            num_reqs=len(seq_lens),
+            num_actual_tokens=int(query_start_loc[-1]),
+            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),
+            query_start_loc_cpu=query_start_loc.tolist(),
+            seq_lens=torch.from_numpy(seq_lens).to(device),
+            seq_lens_cpu=seq_lens.tolist(),
+            block_table=torch.from_numpy(block_table).to(device),
+            slot_mapping=torch.from_numpy(slot_mapping.astype(np.int64)).to(device),
+            max_query_len=int(np.diff(query_start_loc).max()),
+            max_seq_len=int(seq_lens.max()),
+            block_size=block_size,
+        )
 
 
 class AttentionBackend(ABC):

@@ -153,19 +153,7 @@ class PagedModelProposer(Proposer):
         slots = block_table[req_idx, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = (positions[cu[1:] - 1] + 1).astype(np.int32)  # last position + 1
         dev = self.device
-        common = CommonAttentionMetadata(
-            num_reqs=num_reqs,
-            num_actual_tokens=total,
-            query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev),
-            query_start_loc_cpu=cu.tolist(),
-            seq_lens=torch.from_numpy(seq_lens).to(dev),
-            seq_lens_cpu=seq_lens.tolist(),
-            block_table=torch.from_numpy(block_table).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            max_query_len=int(num_rows.max()),
-            max_seq_len=int(seq_lens.max()),
-            block_size=bs,
-        )
+        common = CommonAttentionMetadata.from_numpy(cu, seq_lens, block_table, slots, bs, dev)
         return self.backend.build_metadata(common), torch.from_numpy(positions).to(dev)
 
 

@@ -292,19 +292,7 @@ class ModelRunner:
         seq_lens = (start + num_sched).astype(np.int32)
 
         dev = self.device
-        common = CommonAttentionMetadata(
-            num_reqs=num_reqs,
-            num_actual_tokens=total,
-            query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev),
-            query_start_loc_cpu=cu.tolist(),
-            seq_lens=torch.from_numpy(seq_lens).to(dev),
-            seq_lens_cpu=seq_lens.tolist(),
-            block_table=torch.from_numpy(block_table).to(dev),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            max_query_len=int(num_sched.max()),
-            max_seq_len=int(seq_lens.max()),
-            block_size=bs,
-        )
+        common = CommonAttentionMetadata.from_numpy(cu, seq_lens, block_table, slot_mapping, bs, dev)
         attn_meta = self.attn_backend.build_metadata(common)
         return (
             attn_meta,
