@@ -29,7 +29,8 @@ _NOT_WEIGHTS = {"training_args.bin", "optimizer.bin", "scheduler.bin", "scaler.b
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Parameters created inside are `dtype` (so a model is built in its dtype directly)."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -92,7 +93,7 @@ def get_model(config: EngineConfig) -> nn.Module:
     archs = getattr(model_config.hf_config, "architectures", None) or []
     model_cls = resolve_model_cls(archs)
     device = config.device_config.torch_device
-    with _default_dtype(model_config.dtype), device:
+    with default_dtype(model_config.dtype), device:
         model = model_cls(config=config)
     with torch.no_grad():
         loaded = model.load_weights(iterate_weights(model_config.model))

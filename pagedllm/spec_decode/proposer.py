@@ -17,9 +17,8 @@ block is added to the target's when the worker sizes the cache.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -197,16 +196,6 @@ def run_proposer(proposer: Proposer, batch: DraftBatch) -> list[list[int]]:
 # ---- loading a head checkpoint --------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
 def checkpoint_tensor_names(model_dir: str) -> set[str]:
     """Names of the tensors in a checkpoint directory, without reading the tensors."""
     from pagedllm.models.loader import iterate_weights, list_weight_files
@@ -231,9 +220,9 @@ def load_head(
     checkpoint into its `load_weights`, check nothing is missing, run the layers'
     `process_weights_after_loading` hooks. The head's `load_weights(weights)` returns the
     names of the parameters it filled."""
-    from pagedllm.models.loader import iterate_weights
+    from pagedllm.models.loader import default_dtype, iterate_weights
 
-    with _default_dtype(dtype), device:
+    with default_dtype(dtype), device:
         module = build()
     with torch.no_grad():
         loaded = module.load_weights(iterate_weights(model_dir))
