@@ -13,6 +13,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from pagedllm.config import EngineConfig  # noqa: E402
 from pagedllm.testing.demo_model import TINY_ARCH_OVERRIDES
 
 
@@ -39,42 +40,16 @@ def tiny_llama_dir(tiny_model_dirs) -> str:
 @pytest.fixture(scope="session")
 def make_engine_config():
     """Factory: (model_dir, dtype=torch.float32, max_model_len=None) -> EngineConfig on CPU."""
-    from pagedllm.config import (
-        CacheConfig,
-        DeviceConfig,
-        EngineConfig,
-        ModelConfig,
-        ParallelConfig,
-        SchedulerConfig,
-    )
-    from pagedllm.transformers_utils.config import (
-        get_eos_token_ids,
-        get_generation_config,
-        get_hf_config,
-    )
+    from pagedllm.engine.arg_utils import EngineArgs
 
     def make(
         model_dir: str, dtype: torch.dtype = torch.float32, max_model_len: int | None = None
     ) -> EngineConfig:
-        hf_config = get_hf_config(model_dir)
-        max_len = max_model_len or hf_config.max_position_embeddings
-        gen = get_generation_config(model_dir)
-        return EngineConfig(
-            model_config=ModelConfig(
-                model=model_dir,
-                tokenizer=model_dir,
-                hf_config=hf_config,
-                dtype=dtype,
-                max_model_len=max_len,
-                eos_token_ids=get_eos_token_ids(model_dir, hf_config, gen),
-                generation_config=gen,
-            ),
-            cache_config=CacheConfig(block_size=16),
-            scheduler_config=SchedulerConfig(
-                max_num_batched_tokens=max_len, max_num_seqs=8, max_model_len=max_len
-            ),
-            parallel_config=ParallelConfig(),
-            device_config=DeviceConfig("cpu"),
-        )
+        config = EngineArgs(
+            model=model_dir, dtype=dtype, max_model_len=max_model_len, max_num_seqs=8, device="cpu"
+        ).create_engine_config()
+        # One step holds a whole max-length prompt, as the model tests expect.
+        config.scheduler_config.max_num_batched_tokens = config.model_config.max_model_len
+        return config
 
     return make

@@ -20,13 +20,11 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
-import msgspec
-
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core_client import AsyncMPClient, EngineCoreClient
 from pagedllm.engine.exceptions import EngineDeadError, EngineGenerateError
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputCollector
-from pagedllm.engine.parallel_sampling import ParentRequest
+from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.metrics.loggers import LoggingStatLogger, StatLoggerBase
 from pagedllm.metrics.prometheus import PrometheusStatLogger
@@ -152,18 +150,7 @@ class AsyncLLM:
             request_id, prompt, params, arrival_time, priority
         )
         queue = RequestOutputCollector(request.sampling_params.output_kind)
-        n = request.sampling_params.n
-        if n == 1:
-            children = [(request, None, 0)]
-        else:
-            parent = ParentRequest(request_id, request.sampling_params)
-            children = []
-            for i in range(n):
-                child_id, child_params = parent.get_child_info(i)
-                child = msgspec.structs.replace(
-                    request, request_id=child_id, sampling_params=child_params
-                )
-                children.append((child, parent, i))
+        children = fan_out(request)
         added: list[str] = []
         try:
             for child, parent_req, index in children:
@@ -172,7 +159,7 @@ class AsyncLLM:
                 await self.engine_core.add_request_async(child)
         except BaseException:
             self.output_processor.abort_requests(added)
-            if n > 1:
+            if len(children) > 1:
                 self.output_processor.abort_requests([request_id])
             raise
         return queue

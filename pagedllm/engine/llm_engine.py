@@ -10,7 +10,7 @@ from pagedllm.config import EngineConfig, env_flag
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import EngineCoreClient
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.engine.parallel_sampling import ParentRequest
+from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.metrics.stats import IterationStats
 from pagedllm.outputs import RequestOutput
@@ -59,16 +59,8 @@ class LLMEngine:
         prompt_text, request = self.processor.process_inputs(
             request_id, prompt, params, arrival_time, priority
         )
-        n = request.sampling_params.n
-        if n == 1:
-            self.output_processor.add_request(request, prompt_text)
-            self.engine_core.add_request(request)
-            return
-        parent = ParentRequest(request_id, request.sampling_params)
-        for i in range(n):
-            child_id, child_params = parent.get_child_info(i)
-            child = _with(request, request_id=child_id, sampling_params=child_params)
-            self.output_processor.add_request(child, prompt_text, parent, i)
+        for child, parent, index in fan_out(request):
+            self.output_processor.add_request(child, prompt_text, parent, index)
             self.engine_core.add_request(child)
 
     def abort_request(self, request_ids: list[str]) -> None:
@@ -96,9 +88,3 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()
-
-
-def _with(request: Any, **changes: Any) -> Any:
-    import msgspec
-
-    return msgspec.structs.replace(request, **changes)

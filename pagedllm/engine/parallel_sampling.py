@@ -3,8 +3,27 @@ ParentRequest gathers the children's completions back into one RequestOutput."""
 
 from __future__ import annotations
 
+import msgspec
+
+from pagedllm.engine import EngineCoreRequest
 from pagedllm.outputs import CompletionOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+def fan_out(
+    request: EngineCoreRequest,
+) -> list[tuple[EngineCoreRequest, ParentRequest | None, int]]:
+    """The engine-core requests for one user request, each with its parent and index:
+    the request itself when n == 1, else n children of n = 1 under one ParentRequest."""
+    if request.sampling_params.n == 1:
+        return [(request, None, 0)]
+    parent = ParentRequest(request.request_id, request.sampling_params)
+    children = []
+    for i in range(parent.n):
+        child_id, child_params = parent.get_child_info(i)
+        child = msgspec.structs.replace(request, request_id=child_id, sampling_params=child_params)
+        children.append((child, parent, i))
+    return children
 
 
 class ParentRequest:

@@ -19,7 +19,7 @@ from pagedllm.entrypoints.openai.protocol import (
     UsageInfo,
     random_uuid,
 )
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing
+from pagedllm.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, make_usage
 from pagedllm.outputs import RequestOutput
 
 
@@ -182,21 +182,13 @@ class OpenAIServingChat(OpenAIServing):
                     )
                     usage = None
                     if request.continuous_usage:
-                        usage = _usage(num_prompt_tokens, num_generated[out.index])
+                        usage = make_usage(num_prompt_tokens, num_generated[out.index])
                     yield chunk([choice], usage)
             if request.include_usage_in_stream:
-                yield chunk([], _usage(num_prompt_tokens, sum(num_generated)))
+                yield chunk([], make_usage(num_prompt_tokens, sum(num_generated)))
         except Exception as e:
             error = OpenAIError.from_exception(e).to_response()
             yield f"data: {error.model_dump_json()}\n\n"
         finally:
             await generator.aclose()
         yield "data: [DONE]\n\n"
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    return UsageInfo(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-    )

@@ -19,6 +19,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.serving_engine import (
     OpenAIError,
     OpenAIServing,
+    make_usage,
     merge_async_iterators,
 )
 from pagedllm.outputs import RequestOutput
@@ -188,10 +189,10 @@ class OpenAIServingCompletion(OpenAIServing):
                         ],
                     )
                     if request.continuous_usage:
-                        chunk.usage = _usage(prompt_lens[i], num_generated[index])
+                        chunk.usage = make_usage(prompt_lens[i], num_generated[index])
                     yield f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
             if request.include_usage_in_stream:
-                usage = _usage(sum(prompt_lens), sum(num_generated))
+                usage = make_usage(sum(prompt_lens), sum(num_generated))
                 final = CompletionStreamResponse(
                     id=request_id, created=created, model=self.model_name, choices=[], usage=usage
                 )
@@ -202,11 +203,3 @@ class OpenAIServingCompletion(OpenAIServing):
         finally:
             await results.aclose()
         yield "data: [DONE]\n\n"
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    return UsageInfo(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion_tokens,
-        total_tokens=prompt_tokens + completion_tokens,
-    )

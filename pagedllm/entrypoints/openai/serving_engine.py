@@ -22,6 +22,7 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionLogProbs,
     ErrorInfo,
     ErrorResponse,
+    UsageInfo,
 )
 from pagedllm.outputs import Logprob
 
@@ -229,3 +230,12 @@ async def merge_async_iterators(
             await asyncio.gather(*pending, return_exceptions=True)
         for it in iterators:
             await it.aclose()
+
+
+def make_usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    """OpenAI's usage block."""
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
