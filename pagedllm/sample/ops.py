@@ -214,3 +214,40 @@ def random_sample(weights: torch.Tensor, generators: dict[int, torch.Generator])
         u[row].uniform_(generator=generator)
     u.mul_(cdf[:, -1:])
     return torch.searchsorted(cdf, u, right=True).squeeze_(1).clamp_max_(vocab_size - 1)
+
+
+def random_sample_top_p(
+    weights: torch.Tensor, top_p: torch.Tensor, generators: dict[int, torch.Generator]
+) -> torch.Tensor:
+    """Draw one token per row from the nucleus of `weights [B, V]` (unnormalized
+    probabilities) given `top_p [B]` -> [B] int64, without sorting. CPU path: it reads flags
+    back to the host every round. `weights` may be overwritten.
+
+    The nucleus N holds every token whose strictly-more-probable mass is < p (tokens tied with
+    the last kept one are kept, as in `apply_top_k_top_p_partial`). Rejection with a shrinking
+    support: draw t from the row's support S (first all tokens); accept if t is in N, which one
+    masked sum checks; otherwise N lies inside {w > w_t}, which becomes S, and the row draws
+    again. Each accepted draw has law w restricted to N exactly; a round accepts with
+    probability >= mass(N) >= p, and a rejection cuts S like a quickselect pivot, so rounds are
+    few (about one for p near 1, O(log 1/p) at worst), each costing three passes over the rows
+    still drawing instead of an O(V log V) sort of every row.
+    """
+    num_rows = weights.shape[0]
+    out = torch.empty(num_rows, dtype=torch.int64, device=weights.device)
+    rows = torch.arange(num_rows, device=weights.device)
+    limit = _nucleus_limit(top_p) * weights.sum(dim=-1, keepdim=True)  # [B, 1], mass units
+    while True:
+        tokens = random_sample(weights, generators)  # [R]
+        picked = weights.gather(1, tokens[:, None])  # [R, 1]
+        # Tokens above `picked` all lie in S, so this is the mass ahead in the full row.
+        ahead = torch.where(weights > picked, weights, 0.0).sum(dim=-1, keepdim=True)
+        accepted = (ahead < limit).squeeze_(1)  # [R]
+        out[rows[accepted]] = tokens[accepted]
+        rejected = (~accepted).nonzero().squeeze_(1)  # host sync
+        if rejected.numel() == 0:
+            return out
+        weights = weights[rejected]
+        weights.masked_fill_(weights <= picked[rejected], 0.0)
+        rows, limit = rows[rejected], limit[rejected]
+        position = {row: i for i, row in enumerate(rejected.tolist())}
+        generators = {position[r]: g for r, g in generators.items() if r in position}

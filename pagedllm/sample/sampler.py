@@ -6,9 +6,11 @@ Order of operations (vLLM V1's):
    repetition / frequency / presence penalties: these can change the argmax, so they apply to
    greedy rows too;
 3. greedy rows take the argmax here;
-4. random rows: temperature, min-p, top-k, top-p, then one draw by the exponential race
-   (seeded rows draw their noise from their own generator; no torch.multinomial, which syncs).
-Mixed batches run both paths and pick per row with `torch.where`; nothing syncs with the host.
+4. random rows: temperature, min-p, top-k, top-p, then one inverse-CDF draw (seeded rows draw
+   their uniform from their own generator; no torch.multinomial, which syncs). On the CPU,
+   top-p is not a mask but part of the draw (`ops.random_sample_top_p`: rejection, no sort).
+Mixed batches run both paths and pick per row with `torch.where`; on the device nothing syncs
+with the host.
 """
 
 from __future__ import annotations
@@ -92,10 +94,21 @@ class Sampler(nn.Module):
         logits = ops.apply_temperature(logits, metadata.temperature, in_place=in_place)
         if metadata.min_p is not None:
             logits = ops.apply_min_p(logits, metadata.min_p)
-        logits = ops.apply_top_k_top_p(logits, metadata.top_k, metadata.top_p, metadata.max_top_k)
-        # Unnormalized probabilities are enough for the race; computed in place.
+        # On the CPU top-p is folded into the draw (no sort); elsewhere it masks the logits.
+        top_p_in_draw = metadata.top_p is not None and logits.device.type == "cpu"
+        if top_p_in_draw:
+            if metadata.top_k is not None:
+                logits = ops.apply_top_k(logits, metadata.top_k, metadata.max_top_k)
+        else:
+            logits = ops.apply_top_k_top_p(
+                logits, metadata.top_k, metadata.top_p, metadata.max_top_k
+            )
+        # Unnormalized probabilities are enough for the draw; computed in place.
         weights = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()  # [B, V]
-        sampled = ops.random_sample(weights, metadata.generators)
+        if top_p_in_draw:
+            sampled = ops.random_sample_top_p(weights, metadata.top_p, metadata.generators)
+        else:
+            sampled = ops.random_sample(weights, metadata.generators)
         if greedy is None:
             return sampled
         return torch.where(metadata.temperature == 0.0, greedy, sampled)

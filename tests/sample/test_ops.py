@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pagedllm.sample import ops
+from tests.sample.stats import CHI2_999, chi_square
 
 NEG_INF = float("-inf")
 
@@ -165,3 +166,59 @@ def test_random_sample_never_picks_zero_probability():
     probs[:, 6] = 0.75
     out = ops.random_sample(probs, {})
     assert set(out.tolist()) == {3, 6}
+
+
+def _nucleus(weights: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Reference: the nucleus-renormalized distribution, tokens tied with the last kept one
+    kept (a token stays when the mass strictly more probable than it is < top_p)."""
+    probs = weights / weights.sum()
+    ahead = torch.stack([probs[probs > q].sum() for q in probs])
+    kept = probs * (ahead < top_p) if top_p < 1.0 else probs
+    return kept / kept.sum()
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.3, 0.5, 0.62, 0.8, 0.95, 1.0])
+def test_random_sample_top_p_matches_nucleus_distribution(top_p):
+    torch.manual_seed(0)
+    weights = torch.tensor([3.0, 1.0, 2.5, 0.5, 2.0, 1.0, 0.0, 0.25])  # tie at 1.0, a zero
+    n = 20000
+    draws = ops.random_sample_top_p(weights.repeat(n, 1), torch.full((n,), top_p), {})
+    expected = _nucleus(weights, top_p)
+    assert chi_square(draws, expected) < CHI2_999[max(1, int((expected > 0).sum()) - 1)]
+
+
+def test_random_sample_top_p_mixed_rows_and_flat_rows():
+    """Rows with different p (one disabled) in one batch, on a wide flat-ish vocabulary where
+    the nucleus holds thousands of tokens: no draw outside a row's nucleus, and the rows'
+    empirical nucleus mass matches."""
+    torch.manual_seed(1)
+    vocab = 4000
+    weights = (torch.randn(vocab) * 0.5).exp()
+    ps = torch.tensor([0.9, 1.0, 0.2])
+    n = 3000
+    draws = ops.random_sample_top_p(weights.repeat(3 * n, 1), ps.repeat_interleave(n), {})
+    for i, p in enumerate(ps.tolist()):
+        expected = _nucleus(weights, p)
+        row_draws = draws[i * n : (i + 1) * n]
+        assert (expected[row_draws] > 0).all()
+        # Most probable half of the nucleus (by mass) is drawn about half the time.
+        order = expected.argsort(descending=True)
+        top_half = order[: int((expected[order].cumsum(0) < 0.5).sum()) + 1]
+        share = torch.isin(row_draws, top_half).double().mean().item()
+        target = expected[top_half].sum().item()
+        assert abs(share - target) < 4 * math.sqrt(target * (1 - target) / n)
+
+
+def test_random_sample_top_p_seeded_rows_batch_independent():
+    weights = (torch.randn(4, 500) * 0.5).exp()
+    top_p = torch.tensor([0.5, 0.3, 0.9, 0.5])
+
+    def draw(rows: list[int], seeds: dict[int, int]) -> list[list[int]]:
+        gens = {i: torch.Generator().manual_seed(s) for i, s in seeds.items()}
+        w = weights[rows]
+        return [ops.random_sample_top_p(w.clone(), top_p[rows], gens).tolist() for _ in range(8)]
+
+    alone = [d[0] for d in draw([3], {0: 11})]
+    crowded = [d[2] for d in draw([0, 1, 3], {0: 5, 2: 11})]
+    assert alone == crowded
+    assert alone != [d[0] for d in draw([3], {0: 12})]

@@ -9,6 +9,7 @@ from pagedllm.sample.logprobs import compute_token_logprobs
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
+from tests.sample.stats import CHI2_999, chi_square
 
 V = 32
 EOS = 0
@@ -44,19 +45,6 @@ def _seeded_gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _chi_square(draws: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson's statistic of `draws` against the expected `probs` (zero-probability bins
-    must be empty)."""
-    counts = torch.bincount(draws, minlength=probs.numel()).double()
-    assert counts[probs == 0].sum() == 0, "drew a token with probability 0"
-    expected = probs.double() * draws.numel()
-    mask = probs > 0
-    return float(((counts[mask] - expected[mask]) ** 2 / expected[mask]).sum())
-
-
-# Upper 0.1% points of chi-square with df = 1..7, so a correct sampler fails 1 in 1000 runs
-# at most (and never here: the global RNG is seeded).
-CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
 
 
 @pytest.fixture(autouse=True)
@@ -141,7 +129,7 @@ def test_distribution_matches_softmax_over_temperature():
     n = 20000
     out, _ = _sample(base.repeat(n, 1), [_params(temperature=temperature)] * n)
     expected = torch.softmax(base / temperature, dim=-1)
-    assert _chi_square(out.sampled_token_ids, expected) < CHI2_999[5]
+    assert chi_square(out.sampled_token_ids, expected) < CHI2_999[5]
 
 
 def _probs_logits(probs: list[float]) -> torch.Tensor:
@@ -168,7 +156,7 @@ def test_truncation_draws_only_kept_tokens(kwargs, kept):
     expected = torch.zeros(len(probs))
     expected[kept] = torch.tensor([probs[i] for i in kept])
     expected /= expected.sum()
-    assert _chi_square(out.sampled_token_ids, expected) < CHI2_999[len(kept) - 1]
+    assert chi_square(out.sampled_token_ids, expected) < CHI2_999[len(kept) - 1]
 
 
 def test_repetition_penalty_changes_greedy_choice():
