@@ -166,16 +166,10 @@ def gather_token_ids(states: list[Any], first: np.ndarray, counts: np.ndarray) -
 
 def draft_limits(states: list[Any], k: int) -> list[int]:
     """Drafts worth proposing per request: k, fewer when max_tokens leaves less room (a step
-    emits at most drafts + 1 tokens). Structured-output requests get none: verifying drafts
-    would need the grammar's bitmask at every draft position (the hook for that is here and
-    in `ModelRunner._sample_tokens`, which masks one row per structured request)."""
+    emits at most drafts + 1 tokens)."""
     limits = []
     for s in states:
-        params = s.sampling_params
-        if getattr(params, "structured_outputs", None) is not None:
-            limits.append(0)
-            continue
-        max_tokens = params.max_tokens
+        max_tokens = s.sampling_params.max_tokens
         room = k if max_tokens is None else max_tokens - len(s.output_token_ids) - 1
         limits.append(max(0, min(k, room)))
     return limits

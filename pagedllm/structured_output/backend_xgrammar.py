@@ -165,8 +165,9 @@ def build_tokenizer_info(
 
 
 class XgrammarGrammar:
-    """One request's position in its grammar (an xgrammar matcher). `rollback` takes accepted
-    tokens back (the hook for speculative decoding: tokens of rejected drafts)."""
+    """One request's position in its grammar (an xgrammar matcher, with unlimited rollback).
+    Speculative decoding checks drafts with `validate_tokens` and walks them tentatively
+    (`accept_token`, then `rollback`) to fill one bitmask row per draft position."""
 
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
         import xgrammar as xgr
@@ -186,7 +187,20 @@ class XgrammarGrammar:
         return self.matcher.is_terminated()
 
     def rollback(self, num_tokens: int) -> None:
-        self.matcher.rollback(num_tokens)
+        """Take back the last `num_tokens` accepted tokens."""
+        if num_tokens > 0:
+            self.matcher.rollback(num_tokens)
+
+    def validate_tokens(self, token_ids: list[int]) -> list[int]:
+        """The longest prefix of `token_ids` the grammar accepts from here (state unchanged).
+        Nothing is accepted after a stop token."""
+        num_valid = 0
+        for token_id in token_ids:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token_id):
+                break
+            num_valid += 1
+        self.rollback(num_valid)
+        return token_ids[:num_valid]
 
 
 class XgrammarBackend:

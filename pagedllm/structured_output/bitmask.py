@@ -1,10 +1,11 @@
 """Applying the scheduler's grammar bitmask to the logits, in the model runner.
 
 The bitmask is packed: bit j % 32 of int32 word j // 32 says whether token j is allowed.
-Rows of the bitmask belong to requests (`SchedulerOutput.structured_output_request_ids`), rows
-of the logits to the requests that sample this step, in the runner's order; only the logits
-rows of structured requests are touched. Columns past the bitmask's vocabulary (a padded
-lm_head) are never allowed for those rows.
+A structured request that samples owns consecutive bitmask rows from
+`SchedulerOutput.structured_output_request_ids[req_id]`, one per verified position (1 + its
+scheduled drafts); the logits rows are the runner's verification rows, the same positions in
+the same order. Only the logits rows of structured requests are touched. Columns past the
+bitmask's vocabulary (a padded lm_head) are never allowed for those rows.
 """
 
 from __future__ import annotations
@@ -19,32 +20,38 @@ if TYPE_CHECKING:
 
 
 def apply_grammar_bitmask(
-    logits: torch.Tensor,  # [S, V], rows in the order of `logits_req_ids`
+    logits: torch.Tensor,  # [R, V], request s owning num_rows[s] consecutive rows
     scheduler_output: SchedulerOutput,
-    logits_req_ids: list[str],
+    logits_req_ids: list[str],  # [S] requests in logits order
+    num_rows: np.ndarray,  # [S] int64 logits rows per request (its drafts + 1)
 ) -> None:
     """Mask, in place, the logits rows of this step's structured requests with the bitmask
-    the scheduler filled (`grammar_bitmask`, `structured_output_request_ids`)."""
+    rows the scheduler filled (`grammar_bitmask`, `structured_output_request_ids`)."""
     bitmask = scheduler_output.grammar_bitmask
-    if bitmask is not None:
-        apply_token_bitmask(
-            logits, bitmask, scheduler_output.structured_output_request_ids, logits_req_ids
-        )
+    if bitmask is None:
+        return
+    first = scheduler_output.structured_output_request_ids
+    mask_first = np.fromiter(
+        (first.get(r, -1) for r in logits_req_ids), dtype=np.int64, count=len(logits_req_ids)
+    )
+    logits_first = np.cumsum(num_rows) - num_rows  # [S]
+    structured = np.repeat(mask_first >= 0, num_rows)  # [R]
+    logit_rows = np.flatnonzero(structured)
+    mask_rows = logit_rows + np.repeat(mask_first - logits_first, num_rows)[logit_rows]
+    apply_token_bitmask(logits, bitmask, logit_rows, mask_rows)
 
 
 def apply_token_bitmask(
-    logits: torch.Tensor,  # [S, V], rows in the order of `logits_req_ids`
-    bitmask: np.ndarray,  # [R, W] int32, rows as in `request_rows`
-    request_rows: dict[str, int],
-    logits_req_ids: list[str],
+    logits: torch.Tensor,  # [R, V]
+    bitmask: np.ndarray,  # [M, W] int32
+    logit_rows: np.ndarray,  # [m] int64 logits rows to mask
+    mask_rows: np.ndarray,  # [m] int64 the bitmask row of each
 ) -> None:
     """Set the logits of tokens the grammars forbid to -inf, in place."""
-    pairs = [(k, request_rows[r]) for k, r in enumerate(logits_req_ids) if r in request_rows]
-    if not pairs:
+    if len(logit_rows) == 0:
         return
-    logit_rows = [k for k, _ in pairs]
-    mask_rows = [j for _, j in pairs]
-    packed = torch.from_numpy(np.ascontiguousarray(bitmask[mask_rows]))  # [m, W]
+    logit_rows = np.asarray(logit_rows, dtype=np.int64).tolist()
+    packed = torch.from_numpy(np.ascontiguousarray(bitmask[np.asarray(mask_rows)]))  # [m, W]
     vocab = min(logits.shape[-1], packed.shape[-1] * 32)
     if logits.device.type == "cpu" and logits.dtype in (
         torch.float32,

@@ -3,22 +3,23 @@
 A request with `structured_outputs` enters the scheduler in WAITING_FOR_FSM while its grammar
 compiles on a small thread pool (compiled grammars are cached by spec, so a repeated schema is
 ready at once). The scheduler asks `is_ready` before admitting it; once compiled, the request
-gets its own matcher and becomes WAITING. Every step, `fill_bitmask` writes one packed int32
-row of allowed tokens per structured request that samples this step into the SchedulerOutput
-(the model runner masks those logits rows with it); after sampling, `accept_token` advances the
+gets its own matcher and becomes WAITING. Every step, `fill_bitmask` writes packed int32 rows of
+allowed tokens for the structured requests that sample this step into the SchedulerOutput (the
+model runner masks those logits rows with them); after sampling, `accept_token` advances the
 matcher with each appended token, and a matcher that has terminated (accepted a stop token)
 finishes the request with reason "stop".
+
+Speculative decoding (vLLM V1's scheme): the drafts proposed for a structured request are cut
+to the longest prefix its grammar accepts (`validate_tokens`, when the scheduler stores them),
+so a scheduled draft is always valid. A request verifying k drafts gets k + 1 rows: the mask
+now, then after tentatively accepting draft 1, ..., draft k; the matcher is rolled back after
+filling them. `accept_token` then advances it over the tokens the target accepted.
 
 State lives here, keyed by request id, from `add_request` to `free_request`. Preemption keeps
 it: a preempted request recomputes its prompt and generated tokens without sampling them again,
 so its matcher, which already accepted them, stays where it is. `n > 1` children are separate
 requests with separate matchers over one shared compiled grammar. A partial prefill chunk does
-not sample, so it gets no bitmask row.
-
-Speculative decoding (later; for now the proposer drafts nothing for structured requests): a
-request verifying k drafts needs k + 1 rows (accept each draft tentatively, fill the next row,
-then roll back) and, after sampling, a rollback of the rejected tokens (`XgrammarGrammar.
-rollback`); `fill_bitmask` is where the rows are laid out.
+not sample, so it gets no bitmask row. A request whose grammar is not ready never drafts.
 
 The manager is built unconditionally but costs nothing until the first structured request:
 the tokenizer, TokenizerInfo and compiler are created then, on the pool.
@@ -155,31 +156,48 @@ class StructuredOutputManager:
     # ---- per step ---------------------------------------------------------------------------
 
     def fill_bitmask(self, output: SchedulerOutput, requests: dict[str, Request]) -> None:
-        """Set `output.structured_output_request_ids` (req id -> bitmask row) and
-        `output.grammar_bitmask` (numpy int32 [rows, ceil(vocab / 32)]) for the structured
-        requests that sample in `output`. Call before the scheduled requests'
-        `num_computed_tokens` are advanced."""
+        """Set `output.grammar_bitmask` (numpy int32 [rows, ceil(vocab / 32)]) and
+        `output.structured_output_request_ids` (req id -> its first bitmask row) for the
+        structured requests that sample in `output`. A request with k drafts scheduled owns
+        k + 1 consecutive rows, one per verified position, in `num_scheduled_tokens` order.
+        Call before the scheduled requests' `num_computed_tokens` are advanced."""
         if not self._requests:
             return
+        spec = output.scheduled_spec_decode_tokens
         rows: dict[str, int] = {}
+        num_rows = 0
         for req_id, num_tokens in output.num_scheduled_tokens.items():
             if req_id not in self._requests:
                 continue
             request = requests[req_id]
             if request.num_computed_tokens + num_tokens < request.num_tokens:
                 continue  # a partial prefill chunk: nothing is sampled
-            rows[req_id] = len(rows)
+            rows[req_id] = num_rows
+            num_rows += 1 + len(spec.get(req_id, ()))
         if not rows:
             return
-        bitmask = self._bitmask(len(rows))
+        bitmask = self._bitmask(num_rows)
         for req_id, row in rows.items():
-            state = self._requests[req_id]
-            if state.grammar is not None:
-                state.grammar.fill_bitmask(bitmask, row)
+            grammar = self._requests[req_id].grammar
+            drafts = spec.get(req_id, [])
+            if grammar is not None:
+                _fill_draft_rows(grammar, bitmask, row, drafts)
             else:
-                self._fill_stop_only(bitmask, row, requests[req_id])
+                for r in range(row, row + 1 + len(drafts)):
+                    self._fill_stop_only(bitmask, r, requests[req_id])
         output.structured_output_request_ids = rows
-        output.grammar_bitmask = bitmask[: len(rows)].numpy().copy()
+        output.grammar_bitmask = bitmask[:num_rows].numpy().copy()
+
+    def validate_tokens(self, request_id: str, token_ids: list[int]) -> list[int]:
+        """The drafts worth scheduling for a request: the longest prefix of `token_ids` its
+        grammar accepts; all of them for an unconstrained request; none while its grammar
+        is not ready (or failed)."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return token_ids
+        if state.grammar is None:
+            return []
+        return state.grammar.validate_tokens(token_ids)
 
     def _bitmask(self, num_rows: int) -> torch.Tensor:
         buffer = self._bitmask_buffer
@@ -238,3 +256,23 @@ class StructuredOutputManager:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
+
+
+def _fill_draft_rows(
+    grammar: XgrammarGrammar, bitmask: torch.Tensor, row: int, drafts: list[int]
+) -> None:
+    """Rows row .. row + len(drafts): the mask after the first j drafts, for j = 0..k; the
+    matcher ends where it started. Should the matcher refuse draft j (validated drafts never
+    are refused) or have terminated (draft j was a stop token), the rows after it are set
+    to all-allowed: the verifier never reads them, because a refused draft is masked out of
+    the row before it (the target rejects it there) and the scheduler stops the request at
+    an accepted stop token, dropping whatever follows."""
+    advanced = 0
+    for j in range(len(drafts) + 1):
+        if advanced < j or grammar.is_terminated():
+            bitmask[row + j] = -1
+            continue
+        grammar.fill_bitmask(bitmask, row + j)
+        if j < len(drafts) and grammar.accept_token(drafts[j]):
+            advanced += 1
+    grammar.rollback(advanced)

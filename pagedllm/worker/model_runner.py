@@ -207,9 +207,8 @@ class ModelRunner:
         rows = verification_rows(np.cumsum(num_sched)[sample_rows] - 1, num_drafts)
         logits = self.model.compute_logits(hidden[torch.from_numpy(rows).to(self.device)])
         if so.grammar_bitmask is not None:  # structured outputs: mask what grammars forbid
-            # Structured requests get no drafts (one row each), so their rows line up.
-            row_req_ids = np.repeat(np.asarray(req_ids, dtype=object)[sample_rows], num_drafts + 1)
-            apply_grammar_bitmask(logits, so, row_req_ids.tolist())
+            # One bitmask row per verified position, in the order of `rows`.
+            apply_grammar_bitmask(logits, so, [req_ids[i] for i in sample_rows], num_drafts + 1)
         sample_states = [states[i] for i in sample_rows]
         if num_drafts.any():
             token_lists, row_logprobs = verify_and_sample(

@@ -190,8 +190,8 @@ def test_logprobs_with_drafts(target_dir, spec_configs):
 
 
 def test_structured_outputs_next_to_speculating_requests(target_dir, spec_configs, reference):
-    """Structured requests get no drafts (their grammar masks one row each) while their
-    unconstrained neighbours keep speculating, token-identical to plain greedy."""
+    """A structured request speculates next to unconstrained ones (their rows unmasked), all
+    token-identical to plain greedy (tests/spec_decode/test_structured_outputs.py has more)."""
     import re
 
     from pagedllm import StructuredOutputsParams

@@ -1,6 +1,7 @@
 """Applying the packed bitmask to the logits: only the structured rows change, bitmask rows are
-matched to logits rows by request id, padded logits columns are masked, and xgrammar's CPU
-kernel agrees with the torch unpacking used on other devices."""
+matched to logits rows by request id (one row per verified position with speculative
+decoding), padded logits columns are masked, and xgrammar's CPU kernel agrees with the torch
+unpacking used on other devices."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def test_only_structured_rows_are_masked_by_their_own_row(dtype):
     original = logits.clone()
     # Bitmask rows: b -> 0, d -> 1; logits rows: a, b, c, d (a and c unconstrained).
     bitmask = _pack([{1, 2, 40}, {69}])
-    apply_token_bitmask(logits, bitmask, {"b": 0, "d": 1}, ["a", "b", "c", "d"])
+    apply_token_bitmask(logits, bitmask, np.array([1, 3]), np.array([0, 1]))
     assert torch.equal(logits[0], original[0]) and torch.equal(logits[2], original[2])
     assert set(torch.nonzero(logits[1] > -float("inf")).flatten().tolist()) == {1, 2, 40}
     assert torch.nonzero(logits[3] > -float("inf")).flatten().tolist() == [69]
@@ -51,7 +52,7 @@ def test_cpu_kernel_agrees_with_torch_unpacking():
     bitmask = rng.integers(-(2**31), 2**31, size=(3, 3), dtype=np.int64).astype(np.int32)
     logits = torch.randn(3, VOCAB)
     expected = logits.masked_fill(~unpack_bitmask(torch.from_numpy(bitmask), VOCAB), -np.inf)
-    apply_token_bitmask(logits, bitmask, {"x": 0, "y": 1, "z": 2}, ["x", "y", "z"])
+    apply_token_bitmask(logits, bitmask, np.arange(3), np.arange(3))
     assert torch.equal(logits, expected)
 
 
@@ -59,7 +60,7 @@ def test_cpu_kernel_agrees_with_torch_unpacking():
 def test_padded_logits_columns_are_masked_for_structured_rows(dtype):
     logits = torch.zeros(2, 100, dtype=dtype)  # wider than the 96 columns the bitmask covers
     bitmask = np.full((1, 3), -1, dtype=np.int32)  # everything it covers is allowed
-    apply_token_bitmask(logits, bitmask, {"s": 0}, ["s", "plain"])
+    apply_token_bitmask(logits, bitmask, np.array([0]), np.array([0]))
     assert torch.isinf(logits[0, 96:]).all() and not torch.isinf(logits[0, :96]).any()
     assert not torch.isinf(logits[1]).any()
 
@@ -72,10 +73,29 @@ def test_apply_grammar_bitmask_reads_the_scheduler_output():
         total_num_scheduled_tokens=2,
     )
     logits = torch.zeros(2, VOCAB)
-    apply_grammar_bitmask(logits, so, ["a", "b"])  # no bitmask: nothing happens
+    one_row = np.ones(2, dtype=np.int64)
+    apply_grammar_bitmask(logits, so, ["a", "b"], one_row)  # no bitmask: nothing happens
     assert not torch.isinf(logits).any()
     so.structured_output_request_ids = {"b": 0}
     so.grammar_bitmask = _pack([{5}])
-    apply_grammar_bitmask(logits, so, ["a", "b"])
+    apply_grammar_bitmask(logits, so, ["a", "b"], one_row)
     assert not torch.isinf(logits[0]).any()
     assert torch.nonzero(logits[1] == 0).flatten().tolist() == [5]
+
+
+def test_rows_of_requests_verifying_drafts_line_up():
+    """Logits rows: a (plain, 2 drafts) 0-2, b (structured, 1 draft) 3-4, c (structured, no
+    draft) 5; bitmask rows: b 0-1, c 2."""
+    so = SchedulerOutput(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=CachedRequestData(),
+        num_scheduled_tokens={"a": 3, "b": 2, "c": 1},
+        total_num_scheduled_tokens=6,
+        scheduled_spec_decode_tokens={"a": [1, 2], "b": [3]},
+    )
+    so.structured_output_request_ids = {"b": 0, "c": 2}
+    so.grammar_bitmask = _pack([{3}, {4, 5}, {6}])
+    logits = torch.zeros(6, VOCAB)
+    apply_grammar_bitmask(logits, so, ["a", "b", "c"], np.array([3, 2, 1]))
+    allowed = [set(torch.nonzero(row == 0).flatten().tolist()) for row in logits]
+    assert allowed == [set(range(VOCAB))] * 3 + [{3}, {4, 5}, {6}]

@@ -1,7 +1,8 @@
 """StructuredOutputManager inside the Scheduler, without a model: a fake runner samples a random
 token the step's bitmask allows. Covers WAITING_FOR_FSM, the compile cache, bitmask rows (none
-for a partial prefill chunk), the grammar's end finishing a request, preemption, aborts and a
-grammar that fails to compile in the core."""
+for a partial prefill chunk), the grammar's end finishing a request, preemption, aborts, a
+grammar that fails to compile in the core, and speculative decoding: drafts cut to what the
+grammar accepts, one bitmask row per verified position, the matcher rolled back."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.sched.output import CachedRequestData, SchedulerOutput
 from pagedllm.core.sched.scheduler import Scheduler
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.structured_output.bitmask import unpack_bitmask
@@ -35,8 +37,10 @@ def tokenizer(tiny_llama_dir):
 
 @pytest.fixture
 def make_scheduler(tiny_llama_dir, make_engine_config):
-    def make(max_num_batched_tokens: int = 512, num_blocks: int = 256):
+    def make(max_num_batched_tokens: int = 512, num_blocks: int = 256, speculative=False):
         config = make_engine_config(tiny_llama_dir)
+        if speculative:  # ngram: the scheduler reserves draft slots; no proposer runs here
+            config.extra["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3}
         config.scheduler_config.max_num_batched_tokens = max_num_batched_tokens
         config.cache_config.num_blocks = num_blocks
         manager = StructuredOutputManager(config)
@@ -193,3 +197,119 @@ def test_a_grammar_failing_in_the_core_can_only_stop(make_scheduler):
     assert set(_allowed(so, "bad")) == {EOS_ID, END_OF_TURN_ID}
     (out,) = outputs.outputs
     assert str(out.finish_reason) == "stop" and out.new_token_ids[0] in (EOS_ID, END_OF_TURN_ID)
+
+
+# ---- speculative decoding: drafts validated, one bitmask row per verified position ----------
+
+
+def _ready(manager: StructuredOutputManager, request: Request) -> None:
+    manager._requests[request.request_id].future.result(timeout=10)
+    assert manager.is_ready(request)
+
+
+def _reference_masks(manager, spec, tokens: list[int], num_rows: int) -> torch.Tensor:
+    """The mask of a fresh matcher after each of tokens[:n], n = len - num_rows + 1 .. len."""
+    grammar = manager.backend.new_grammar(manager.backend.compile(spec))
+    masks = torch.zeros(num_rows, VOCAB // 32, dtype=torch.int32)
+    start = len(tokens) - num_rows + 1
+    for t in tokens[:start]:
+        assert grammar.accept_token(t)
+    for j in range(num_rows):
+        grammar.fill_bitmask(masks, j)
+        if j < num_rows - 1:
+            assert grammar.accept_token(tokens[start + j])
+    return masks
+
+
+def _verifying(request: Request, drafts: list[int]) -> SchedulerOutput:
+    """A step that verifies `drafts` after the request's last token."""
+    request.num_computed_tokens = request.num_tokens - 1
+    return SchedulerOutput(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=CachedRequestData(),
+        num_scheduled_tokens={request.request_id: 1 + len(drafts)},
+        total_num_scheduled_tokens=1 + len(drafts),
+        scheduled_spec_decode_tokens={request.request_id: drafts} if drafts else {},
+    )
+
+
+def test_fill_bitmask_with_drafts_walks_them_and_rolls_back(make_scheduler, tokenizer):
+    _, manager = make_scheduler()
+    spec = StructuredOutputsParams(json=PERSON_SCHEMA, disable_any_whitespace=True)
+    ids = tokenizer.encode('{"name": "Al", "age": 3', add_special_tokens=False)
+    request = _request("s", spec)
+    manager.add_request(request)
+    _ready(manager, request)
+    for t in ids[:4]:  # generated so far
+        request.append_output_token_ids(t)
+        assert not manager.accept_token(request, t)
+    drafts = ids[4:7]
+    plain, other = _request("p", max_tokens=5), _request("t", CHOICE)
+    manager.add_request(other)
+    _ready(manager, other)
+    so = _verifying(request, drafts)
+    for r, num in ((plain, 3), (other, 1)):  # a plain request with drafts, a structured one
+        r.num_computed_tokens = r.num_tokens - 1
+        so.num_scheduled_tokens[r.request_id] = num
+    so.scheduled_spec_decode_tokens["p"] = [5, 6]
+
+    manager.fill_bitmask(so, {"s": request, "p": plain, "t": other})
+    assert so.structured_output_request_ids == {"s": 0, "t": 4}
+    assert so.grammar_bitmask.shape == (5, VOCAB // 32)
+    expected = _reference_masks(manager, spec, ids[:7], num_rows=4)
+    assert torch.equal(torch.from_numpy(so.grammar_bitmask[:4]), expected)
+    # The matcher is where it was: same mask, and it takes the drafts again.
+    again = torch.zeros(1, VOCAB // 32, dtype=torch.int32)
+    manager._requests["s"].grammar.fill_bitmask(again, 0)
+    assert torch.equal(again[0], expected[0])
+    assert manager.validate_tokens("s", drafts) == drafts
+
+
+def test_rows_after_a_refused_or_stop_draft_allow_everything(make_scheduler, tokenizer):
+    _, manager = make_scheduler()
+    request = _request("s", CHOICE)
+    manager.add_request(request)
+    _ready(manager, request)
+    it, d = tokenizer.encode("it d", add_special_tokens=False)
+    z = tokenizer.convert_tokens_to_ids("z")
+    # Unvalidated drafts: "it", then "z" (refused): rows 2 and 3 follow no matcher state.
+    so = _verifying(request, [it, z, d])
+    manager.fill_bitmask(so, {"s": request})
+    rows = so.grammar_bitmask
+    assert (rows[2:] == -1).all() and not (rows[:2] == -1).all(axis=1).any()
+    # A stop token ends the walk: the row after it allows everything.
+    yes = tokenizer.encode("yes", add_special_tokens=False)
+    so = _verifying(request, [*yes, EOS_ID])
+    manager.fill_bitmask(so, {"s": request})
+    rows = so.grammar_bitmask
+    assert (rows[-1] == -1).all() and not (rows[:-1] == -1).all(axis=1).any()
+    before_stop = unpack_bitmask(torch.from_numpy(rows[-2:-1]), VOCAB)[0]
+    assert torch.nonzero(before_stop).flatten().tolist() == [EOS_ID, END_OF_TURN_ID]
+    assert manager.validate_tokens("s", [it, z, d]) == [it]
+    assert manager.validate_tokens("s", [*yes, EOS_ID, it]) == [*yes, EOS_ID]
+
+
+def test_drafts_are_cut_to_what_the_grammar_accepts(make_scheduler, tokenizer):
+    """The scheduler stores a structured request's drafts cut at the first one its grammar
+    refuses, then schedules them with one bitmask row per verified position; a plain request
+    keeps all of its drafts, and a request whose grammar failed gets none."""
+    scheduler, manager = make_scheduler(speculative=True)
+    requests = {"s": _request("s", CHOICE), "p": _request("p")}
+    bad = _request("bad", StructuredOutputsParams(regex="[a-"))
+    for r in (*requests.values(), bad):
+        scheduler.add_request(r)
+    _ready(manager, requests["s"])
+    manager._requests["bad"].future.exception(timeout=10)
+    assert manager.validate_tokens("bad", [1, 2]) == []
+    it, d, ep = tokenizer.encode("it dep", add_special_tokens=False)
+    z = tokenizer.convert_tokens_to_ids("z")
+    so = scheduler.schedule()
+    mro = make_runner_output(scheduler, so, {"s": [it], "p": [100], "bad": [EOS_ID]})
+    mro.spec_token_ids = [[d, z, ep] for _ in mro.req_ids]
+    scheduler.update_from_output(so, mro)
+    assert requests["s"].spec_token_ids == [d]
+    assert requests["p"].spec_token_ids == [d, z, ep]
+    so = scheduler.schedule()
+    assert so.scheduled_spec_decode_tokens == {"s": [d], "p": [d, z, ep]}
+    assert so.structured_output_request_ids == {"s": 0} and so.grammar_bitmask.shape[0] == 2
+    assert d in _allowed(so, "s")

@@ -53,7 +53,9 @@ class SchedulerOutput:
     # Requests the runner must forget: finished or aborted since the last step, or preempted.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
-    # Feature hooks (structured-output bitmasks, KV connector metadata) ride here.
+    # Feature hooks (structured-output bitmasks, KV connector metadata) ride here. A
+    # structured request that samples owns grammar_bitmask rows from
+    # structured_output_request_ids[req_id], one per verified position (its drafts + 1).
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     grammar_bitmask: object | None = None
     kv_connector_metadata: object | None = None

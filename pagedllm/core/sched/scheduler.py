@@ -19,7 +19,8 @@ Each step spends a budget of `max_num_batched_tokens`:
    blocks. The first request that cannot be admitted stops admission (no overtaking).
 `schedule()` then advances every scheduled request's `num_computed_tokens` (the tokens will be
 computed by the time anyone looks again); `update_from_output` appends sampled tokens, rolls
-back rejected draft tokens, checks stop conditions and frees finished requests.
+back rejected draft tokens, checks stop conditions, stores the next drafts (cut to what a
+structured request's grammar accepts) and frees finished requests.
 """
 
 from __future__ import annotations
@@ -402,7 +403,7 @@ class Scheduler:
             lists = mro.logprobs[idx] if mro.logprobs is not None and idx is not None else None
             new_token_ids, new_logprobs = self._append_sampled(request, sampled, lists)
             if mro.spec_token_ids is not None and idx is not None and not request.is_finished():
-                request.spec_token_ids = list(mro.spec_token_ids[idx])
+                request.spec_token_ids = self._valid_drafts(request, list(mro.spec_token_ids[idx]))
             else:
                 request.spec_token_ids = []
             outputs.append(self._make_engine_output(request, new_token_ids, new_logprobs))
@@ -412,6 +413,14 @@ class Scheduler:
         if num_finished:
             self.running = [r for r in self.running if not r.is_finished()]
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats())
+
+    def _valid_drafts(self, request: Request, draft_token_ids: list[int]) -> list[int]:
+        """The drafts to schedule next step: a structured request's are cut to the longest
+        prefix its grammar accepts after this step's tokens (vLLM's update_draft_token_ids)."""
+        som = self.structured_output_manager
+        if som is None or not draft_token_ids:
+            return draft_token_ids
+        return som.validate_tokens(request.request_id, draft_token_ids)
 
     def _append_sampled(
         self, request: Request, sampled: list[int], lists: LogprobsLists | None
