@@ -1,5 +1,7 @@
 """Draft-model proposer: a second, smaller checkpoint with the target's vocabulary drafts k
-tokens greedily, autoregressively, for the whole batch at once.
+tokens autoregressively, for the whole batch at once: the argmax for greedy requests, a sample
+of the draft model's own distribution q (returned with the drafts) for sampling ones
+(`DraftSampler`).
 
 Per step, after verification:
 1. One forward of the draft model over every scheduled request's valid tokens (those whose
@@ -22,14 +24,16 @@ from torch import nn
 
 from pagedllm.spec_decode.proposer import (
     DraftBatch,
+    DraftSampler,
     PagedModelProposer,
+    Proposal,
     draft_limits,
     gather_token_ids,
 )
 
 
 class DraftModelProposer(PagedModelProposer):
-    """Greedy drafts from a small causal LM loaded with the engine's own model loader."""
+    """Drafts from a small causal LM loaded with the engine's own model loader."""
 
     def load_model(self, target_model: nn.Module) -> None:
         from pagedllm.models.loader import get_model
@@ -37,7 +41,7 @@ class DraftModelProposer(PagedModelProposer):
         draft_config = replace(self.config, model_config=self.spec.draft_model_config, extra={})
         self.model = get_model(draft_config)
 
-    def propose(self, batch: DraftBatch) -> list[list[int]]:
+    def propose(self, batch: DraftBatch) -> Proposal:
         states, idx = batch.states, batch.sample_idx
         sampled = np.zeros(len(states), dtype=np.int64)
         sampled[idx] = 1
@@ -47,19 +51,19 @@ class DraftModelProposer(PagedModelProposer):
         input_ids = torch.from_numpy(gather_token_ids(states, batch.start, counts))
         hidden = self.model(input_ids.to(self.device), positions, meta)  # [N, hidden]
         if idx.size == 0:
-            return []
+            return Proposal([])
+        sample_states = [states[i] for i in idx.tolist()]
+        limits = draft_limits(sample_states, self.k)
+        draw = DraftSampler(sample_states, limits, self.device)
         last_rows = torch.from_numpy(np.cumsum(counts)[idx] - 1).to(self.device)
-        token = self.model.compute_logits(hidden[last_rows]).argmax(dim=-1)  # [S]
-        limits = draft_limits([states[i] for i in idx.tolist()], self.k)
-        num_steps = max(limits, default=0)
+        token = draw(self.model.compute_logits(hidden[last_rows]))  # [S]
         drafts = [token]
         next_pos = batch.start[idx] + counts[idx]  # [S] position of d_1
         sub_table = table[idx]
         ones = np.ones(len(idx), dtype=np.int64)
-        for j in range(1, num_steps):
+        for j in range(1, max(limits, default=0)):
             meta, positions = self.attention_metadata(sub_table, next_pos + (j - 1), ones)
             hidden = self.model(token, positions, meta)  # [S, hidden]
-            token = self.model.compute_logits(hidden).argmax(dim=-1)
+            token = draw(self.model.compute_logits(hidden))
             drafts.append(token)
-        rows = torch.stack(drafts, dim=1).tolist()  # [S, num_steps]
-        return [row[:n] for row, n in zip(rows, limits)]
+        return draw.proposal(drafts)

@@ -46,7 +46,9 @@ from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbeddi
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, get_head_dim
 from pagedllm.spec_decode.proposer import (
     DraftBatch,
+    DraftSampler,
     PagedModelProposer,
+    Proposal,
     checkpoint_tensor_names,
     draft_limits,
     gather_token_ids,
@@ -154,7 +156,8 @@ class EagleLlamaForCausalLM(nn.Module):
 
 
 class EagleProposer(PagedModelProposer):
-    """Drafts k tokens per sampling request with an EAGLE head (greedy)."""
+    """Drafts k tokens per sampling request with an EAGLE head: the argmax for greedy
+    requests, a sample of the head's distribution q for sampling ones (`DraftSampler`)."""
 
     def load_model(self, target_model: nn.Module) -> None:
         self.target = target_model
@@ -183,7 +186,7 @@ class EagleProposer(PagedModelProposer):
             return self.model.logits_processor(self.model.lm_head, features)
         return self.target.compute_logits(features)
 
-    def propose(self, batch: DraftBatch) -> list[list[int]]:
+    def propose(self, batch: DraftBatch) -> Proposal:
         states, idx = batch.states, batch.sample_idx
         counts = batch.num_valid  # [B] rows: every position whose target KV is valid
         # Row at position p pairs the target's feature f_p with token t_{p+1}.
@@ -196,11 +199,13 @@ class EagleProposer(PagedModelProposer):
         embeds = self._embed(torch.from_numpy(token_ids).to(self.device))
         out = self.model(embeds, features, positions, meta)  # [N, H]
         if idx.size == 0:
-            return []
+            return Proposal([])
+        sample_states = [states[i] for i in idx.tolist()]
+        limits = draft_limits(sample_states, self.k)
+        draw = DraftSampler(sample_states, limits, self.device)
         last = torch.from_numpy(np.cumsum(counts)[idx] - 1).to(self.device)
         feature = out[last]  # [S, H]
-        token = self._logits(feature).argmax(dim=-1)  # [S]
-        limits = draft_limits([states[i] for i in idx.tolist()], self.k)
+        token = draw(self._logits(feature))  # [S]
         drafts = [token]
         next_pos = batch.start[idx] + counts[idx]  # [S] position of the row (f', d_1)
         sub_table = table[idx]
@@ -208,7 +213,6 @@ class EagleProposer(PagedModelProposer):
         for j in range(1, max(limits, default=0)):
             meta, positions = self.attention_metadata(sub_table, next_pos + (j - 1), ones)
             feature = self.model(self._embed(token), feature, positions, meta)
-            token = self._logits(feature).argmax(dim=-1)
+            token = draw(self._logits(feature))
             drafts.append(token)
-        table_rows = torch.stack(drafts, dim=1).tolist()
-        return [row[:n] for row, n in zip(table_rows, limits)]
+        return draw.proposal(drafts)

@@ -7,6 +7,8 @@ the token just sampled, t_{N-1}), head i (0-based) predicts t_{N+i}:
     d_{i+1} = argmax lm_head_i(x_i)
 
 All heads read the same h, so one batched call drafts all k tokens; there is no KV cache.
+Drafts are argmax picks for every request, sampling ones included: the rejection sampler
+treats them as drawn from a one-hot q (drawing from the heads' distributions is not done).
 
 Checkpoint formats: vLLM's `MedusaModel` (config.json: architectures ["MedusaModel"],
 `num_heads`, `num_hidden_layers`, `hidden_size`, `vocab_size`, optional `medusa_fc_bias`,
@@ -29,6 +31,7 @@ from torch import nn
 from pagedllm.layers.linear import ReplicatedLinear
 from pagedllm.spec_decode.proposer import (
     DraftBatch,
+    Proposal,
     Proposer,
     checkpoint_tensor_names,
     draft_limits,
@@ -147,10 +150,10 @@ class MedusaProposer(Proposer):
             self.device,
         )
 
-    def propose(self, batch: DraftBatch) -> list[list[int]]:
+    def propose(self, batch: DraftBatch) -> Proposal:
         idx = batch.sample_idx
         if idx.size == 0:
-            return []
+            return Proposal([])
         rows = batch.row_start[idx] + batch.num_valid[idx] - 1  # [S] last valid row
         hidden = batch.hidden[torch.from_numpy(rows).to(self.device)]  # [S, H]
         features = self.model(hidden.to(self.dtype), self.k)
@@ -163,4 +166,4 @@ class MedusaProposer(Proposer):
         ]
         drafts = torch.stack(tokens, dim=1).tolist()  # [S, k]
         limits = draft_limits([batch.states[i] for i in idx.tolist()], self.k)
-        return [row[:n] for row, n in zip(drafts, limits)]
+        return Proposal([row[:n] for row, n in zip(drafts, limits)])

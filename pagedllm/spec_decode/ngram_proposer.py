@@ -10,14 +10,15 @@ LZ77-style, which repeats the period.
 Vectorized per request with numpy: the candidates are the earlier positions holding t_{L-1};
 one [candidates, prompt_lookup_max] comparison against the reversed suffix gives every
 candidate's match length (a cumulative product), and the best is an argmax. No Python loop
-over tokens. It needs no model, no KV cache and no GPU.
+over tokens. It needs no model, no KV cache and no GPU. Its drafts are copies, not samples:
+the rejection sampler treats them as drawn from a one-hot q, also for sampling requests.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from pagedllm.spec_decode.proposer import DraftBatch, Proposer
+from pagedllm.spec_decode.proposer import DraftBatch, Proposal, Proposer
 
 
 def propose_ngram(
@@ -61,9 +62,9 @@ class NgramProposer(Proposer):
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, batch: DraftBatch) -> list[list[int]]:
+    def propose(self, batch: DraftBatch) -> Proposal:
         drafts = []
         for i in batch.sample_idx.tolist():
             tokens = np.asarray(batch.states[i].token_ids, dtype=np.int64)
             drafts.append(propose_ngram(tokens, self.min_n, self.max_n, self.k).tolist())
-        return drafts
+        return Proposal(drafts)

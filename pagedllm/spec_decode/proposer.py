@@ -1,12 +1,15 @@
-"""The proposer interface, the per-step `DraftBatch` it reads, and what model-based proposers
-share: building their attention metadata, owning a paged KV cache, loading a head checkpoint.
+"""The proposer interface, the per-step `DraftBatch` it reads and the `Proposal` it returns,
+and what model-based proposers share: drawing draft tokens (`DraftSampler`), building their
+attention metadata, owning a paged KV cache, loading a head checkpoint.
 
 Contract with the model runner, once per step after verification: `propose(batch)` returns, for
 each request that sampled this step (`batch.sample_idx`, in that order), up to k draft tokens
-to verify next step. The runner has already appended the step's accepted tokens to each
-request's `token_ids`, so for request i the positions `start[i] .. start[i] + num_valid[i] - 1`
-hold tokens whose target KV is now valid (the scheduler rolled back the rest), and when it
-sampled, its last token `token_ids[-1]` sits at position `start[i] + num_valid[i]`.
+to verify next step, and for drafts drawn at random the distribution q each was drawn from
+(the rejection sampler needs it). The runner has already appended the step's accepted tokens
+to each request's `token_ids`, so for request i the positions `start[i] .. start[i] +
+num_valid[i] - 1` hold tokens whose target KV is now valid (the scheduler rolled back the
+rest), and when it sampled, its last token `token_ids[-1]` sits at position `start[i] +
+num_valid[i]`.
 
 Model-based proposers (draft model, EAGLE) keep their own KV tensors over the *same* block ids
 as the target: the scheduler's allocation (with `num_lookahead_tokens = k` extra slots) covers
@@ -28,6 +31,9 @@ from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend, CommonAttentionMetadata
 from pagedllm.attention.layer import bind_kv_caches, get_attention_layers
+from pagedllm.sample import ops
+from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.spec_decode.rejection_sampler import target_probs
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
@@ -46,6 +52,17 @@ class DraftBatch:
     hidden: torch.Tensor  # [T, hidden] the target's last hidden states of this step
 
 
+@dataclass
+class Proposal:
+    """Drafts of the requests that sampled, in `DraftBatch.sample_idx` order (or, from
+    `run_proposer`, of every request in batch order)."""
+
+    token_ids: list[list[int]]  # [S] up to k drafts each
+    # [S] float32 [n, V] per request, row j the distribution draft j + 1 was drawn from; None
+    # where the drafts are argmax picks (q one-hot). None: all are.
+    probs: list[torch.Tensor | None] | None = None
+
+
 class Proposer:
     """Drafts k tokens per sampling request (see the module docstring)."""
 
@@ -58,7 +75,7 @@ class Proposer:
     def initialize_kv_cache(self, num_blocks: int, backend: AttentionBackend) -> None:
         """Allocate the proposer's own KV tensors over `num_blocks` shared block ids."""
 
-    def propose(self, batch: DraftBatch) -> list[list[int]]:
+    def propose(self, batch: DraftBatch) -> Proposal:
         raise NotImplementedError
 
 
@@ -175,16 +192,87 @@ def draft_limits(states: list[Any], k: int) -> list[int]:
     return limits
 
 
-def run_proposer(proposer: Proposer, batch: DraftBatch) -> list[list[int]]:
-    """Run `proposer` on the step's batch -> drafts per request in batch order ([] for those
-    that did not sample), each cut to its `draft_limits`."""
-    out: list[list[int]] = [[] for _ in batch.states]
+def run_proposer(proposer: Proposer, batch: DraftBatch) -> Proposal:
+    """Run `proposer` on the step's batch -> drafts per request in batch order ([] and None
+    for those that did not sample), each cut to its `draft_limits`."""
+    tokens: list[list[int]] = [[] for _ in batch.states]
+    probs: list[torch.Tensor | None] = [None] * len(batch.states)
     idx = batch.sample_idx.tolist()
-    drafts = proposer.propose(batch)
+    proposal = proposer.propose(batch)
     limits = draft_limits([batch.states[i] for i in idx], 1 << 30)
-    for i, d, n in zip(idx, drafts, limits):
-        out[i] = list(d[:n])
-    return out
+    q = proposal.probs or [None] * len(idx)
+    for i, d, p, n in zip(idx, proposal.token_ids, q, limits):
+        tokens[i] = list(d[:n])
+        probs[i] = p[:n] if p is not None and n > 0 else None
+    return Proposal(tokens, probs)
+
+
+class DraftSampler:
+    """Picks the draft tokens of one `propose` call, one draft position per call.
+
+    A request that samples (temperature > 0) draws draft j from q_j: the draft model's logits
+    under the request's temperature, min-p, top-k and top-p, processed as the target's are
+    (`target_probs`; penalties, bans and bias are left to the target: they cost acceptance,
+    never correctness), from its own generator when seeded; q_j is kept for the rejection
+    sampler. Greedy requests take the argmax (q one-hot). So do structured-output requests:
+    the scheduler cuts their drafts at the first one the grammar refuses, a cut that depends
+    on the drafted tokens; with a one-hot q it is exact (a refused draft has p = 0, and the
+    target's resample from p minus the draft is p itself), with a sampled q it would bias the
+    output. A seeded request draws only for the drafts it may keep (`limits`), so its
+    generator does not depend on the other requests of the batch."""
+
+    def __init__(self, states: list[Any], limits: list[int], device: torch.device) -> None:
+        self.states = states
+        self.limits = limits
+        self.device = device
+        self.rows = [
+            i
+            for i, s in enumerate(states)
+            if limits[i] > 0
+            and s.sampling_params.temperature > 0
+            and s.sampling_params.structured_outputs is None
+        ]
+        self.rows_t = torch.tensor(self.rows, dtype=torch.int64).to(device)
+        self.metadata: SamplingMetadata | None = None
+        self.probs: list[torch.Tensor] = []  # per draft position: [R, V] q of the random rows
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """Float32 draft logits `[S, V]` at the next draft position -> tokens [S] int64."""
+        tokens = logits.argmax(dim=-1)
+        if not self.rows:
+            return tokens
+        if self.metadata is None:
+            # Only temperature / min-p / top-k / top-p and the generators are read: no history.
+            empty = [[] for _ in self.rows]
+            self.metadata = SamplingMetadata.build(
+                [self.states[i].sampling_params for i in self.rows],
+                empty,
+                empty,
+                [self.states[i].generator for i in self.rows],
+                vocab_size=logits.shape[-1],
+                device=self.device,
+            )
+        j = len(self.probs)
+        generators = {
+            r: g for r, g in self.metadata.generators.items() if self.limits[self.rows[r]] > j
+        }
+        probs = target_probs(logits[self.rows_t], self.metadata)  # [R, V]
+        tokens[self.rows_t] = ops.random_sample(probs, generators)
+        self.probs.append(probs)
+        return tokens
+
+    def proposal(self, drafts: list[torch.Tensor]) -> Proposal:
+        """The tokens of every call so far (`drafts`, [S] each) -> `Proposal`, each request's
+        drafts cut to its limit."""
+        rows = torch.stack(drafts, dim=1).tolist()  # [S, num_steps]
+        token_ids = [row[:n] for row, n in zip(rows, self.limits)]
+        if not self.rows:
+            return Proposal(token_ids)
+        q = torch.stack(self.probs, dim=1)  # [R, num_steps, V]
+        probs: list[torch.Tensor | None] = [None] * len(self.limits)
+        for r, i in enumerate(self.rows):
+            probs[i] = q[r, : self.limits[i]]
+        return Proposal(token_ids, probs)
 
 
 # ---- loading a head checkpoint --------------------------------------------------------------

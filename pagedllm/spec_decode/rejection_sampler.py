@@ -14,9 +14,10 @@ Algorithm (speculative sampling, Leviathan et al. / Chen et al.), left to right 
   target's argmax: output is token-identical to non-speculative greedy decoding.
 - random rows: accept d_j with probability min(1, p_j(d_j) / q_j(d_j)); on the first rejection
   emit a sample of normalize(max(p_j - q_j, 0)) and stop; after k acceptances emit a sample of
-  p_k. Each emitted token is then distributed exactly as p. Without draft probabilities (n-gram,
-  and the proposers here, which draft greedily) q_j is one-hot on d_j: accept with probability
-  p_j(d_j), resample from p_j with d_j removed.
+  p_k. Each emitted token is then distributed exactly as p. q comes from the draft model /
+  EAGLE head where it sampled the draft; for argmax drafts (n-gram, Medusa, greedy and
+  structured requests) q_j is one-hot on d_j: accept with probability p_j(d_j), resample from
+  p_j with d_j removed.
 All rows are processed by a handful of batched tensor ops (no loop over requests or tokens);
 only seeded rows draw their randomness row by row from their request's generator.
 """

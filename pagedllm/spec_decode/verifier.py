@@ -4,11 +4,13 @@ For each request that samples this step, with drafts d_1..d_k scheduled after it
 token, the flattened batch holds [last token, d_1, ..., d_k] at consecutive positions; the
 hidden states of those k + 1 rows give the target distributions that verify d_1..d_k and
 sample one more token. The runner takes the logits of all those rows (`verification_rows`,
-one LM-head call); `verify_and_sample` gives each row its own sampling-metadata row (the request's params and generator, and
-an output history that includes the drafts before that row, so penalties, min_tokens and bad
-words see what the target would have seen), runs the `RejectionSampler`, and returns each
-request's accepted tokens plus the recovered / bonus token. A request without drafts is the
-k = 0 case: one row, one sampled token.
+one LM-head call) and masks structured requests' rows with their grammar bitmask rows;
+`verify_and_sample` gives each row its own sampling-metadata row (the request's params and
+generator, and an output history that includes the drafts before that row, so penalties,
+min_tokens and bad words see what the target would have seen), lays out the draft
+distributions q of sampled drafts, runs the `RejectionSampler`, and returns each request's
+accepted tokens plus the recovered / bonus token. A request without drafts is the k = 0 case:
+one row, one sampled token.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ def verify_and_sample(
     output_token_ids: list[list[int]],
     generators: list[torch.Generator | None],
     rejection_sampler: RejectionSampler,
+    draft_probs: list[torch.Tensor | None] | None = None,  # [S] q [>= k_s, V], None: one-hot
 ) -> tuple[list[list[int]], list[LogprobsLists | None] | None]:
     """-> (emitted tokens per request, their logprobs per request or None)."""
     device = logits.device
@@ -100,17 +103,40 @@ def verify_and_sample(
     draft_ids[draft_rows] = np.fromiter(
         itertools.chain.from_iterable(drafts), dtype=np.int64, count=total_drafts
     )
-    out = rejection_sampler(
-        logits,
-        metadata,
-        torch.from_numpy(draft_ids).to(device),
-        num_drafts.tolist(),
-    )
+    draft_ids_t = torch.from_numpy(draft_ids).to(device)
+    q = None
+    if draft_probs is not None:
+        q = _dense_draft_probs(logits, draft_probs, drafts, offsets, draft_rows, draft_ids_t)
+    out = rejection_sampler(logits, metadata, draft_ids_t, num_drafts.tolist(), q)
     token_lists = out.to_lists()
     logprobs = None
     if out.logprobs is not None:
         logprobs = _logprobs_lists(out, token_lists, [p.logprobs for p in params])
     return token_lists, logprobs
+
+
+def _dense_draft_probs(
+    logits: torch.Tensor,  # [R, V]
+    draft_probs: list[torch.Tensor | None],  # [S]
+    drafts: list[list[int]],  # [S]
+    offsets: np.ndarray,  # [S] first row of each request
+    draft_rows: np.ndarray,  # [D] rows holding a draft
+    draft_ids: torch.Tensor,  # [R] the draft at each row
+) -> torch.Tensor | None:
+    """q at every row [R, V] for the rejection sampler: the proposer's distribution where it
+    sampled, one-hot on the draft where it picked the argmax, zero at bonus rows. None when
+    no scheduled draft was sampled (all one-hot: the sampler's cheaper path)."""
+    sampled = [s for s, (p, d) in enumerate(zip(draft_probs, drafts)) if p is not None and d]
+    if not sampled:
+        return None
+    q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    rows = torch.from_numpy(draft_rows).to(logits.device)
+    q[rows, draft_ids[rows]] = 1.0
+    q_rows = np.concatenate([offsets[s] + np.arange(len(drafts[s])) for s in sampled])
+    q[torch.from_numpy(q_rows).to(logits.device)] = torch.cat(
+        [draft_probs[s][: len(drafts[s])] for s in sampled]
+    )
+    return q
 
 
 def _logprobs_lists(

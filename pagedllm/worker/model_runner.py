@@ -50,6 +50,8 @@ class CachedRequestState:
     generator: torch.Generator | None = None
     # Prompt positions whose logprobs were already returned (prompt_logprobs requests).
     num_prompt_logprobs_done: int = 0
+    # q [n, V] of the drafts last proposed for it, when they were sampled (spec decoding).
+    draft_probs: torch.Tensor | None = None
     token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -219,6 +221,7 @@ class ModelRunner:
                 [s.output_token_ids for s in sample_states],
                 [s.generator for s in sample_states],
                 self.rejection_sampler,
+                [s.draft_probs for s in sample_states],
             )
         else:
             token_ids, row_logprobs = self._sample(logits, sample_states)
@@ -239,9 +242,9 @@ class ModelRunner:
         hidden: torch.Tensor,  # [T, hidden]
         sampled: list[list[int]],
     ) -> list[list[int]]:
-        """Draft the next step's tokens of every request that sampled (spec_decode/); the
-        proposer also refreshes its own KV for every position the target computed validly:
-        all scheduled rows but the rejected drafts."""
+        """Draft the next step's tokens of every request that sampled (spec_decode/) and keep
+        their q for verifying them; the proposer also refreshes its own KV for every position
+        the target computed validly: all scheduled rows but the rejected drafts."""
         spec = so.scheduled_spec_decode_tokens
         num_drafts = np.fromiter(
             (len(spec.get(r, ())) for r in req_ids), dtype=np.int64, count=len(req_ids)
@@ -255,7 +258,10 @@ class ModelRunner:
             sample_idx=np.flatnonzero(num_emitted),
             hidden=hidden,
         )
-        return run_proposer(self.drafter, batch)
+        proposal = run_proposer(self.drafter, batch)
+        for i in batch.sample_idx.tolist():
+            states[i].draft_probs = proposal.probs[i]
+        return proposal.token_ids
 
     def _prepare_inputs(
         self,

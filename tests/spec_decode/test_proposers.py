@@ -1,13 +1,17 @@
 """Model-based proposers keep their own KV right: the drafts proposed for a sequence after many
 incremental steps (chunked prefill, rejected drafts rolled back, other requests in the batch)
 equal those proposed for the same sequence computed from scratch in one prefill. Also the
-checkpoint formats load."""
+checkpoint formats load, and `DraftSampler` draws drafts from q where it must."""
 
 from __future__ import annotations
 
-import pytest
+import types
 
-from pagedllm import LLM, SamplingParams
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams, StructuredOutputsParams
+from pagedllm.spec_decode.proposer import DraftSampler
 from pagedllm.spec_decode.testing import make_medusa_heads
 from pagedllm.worker import model_runner
 
@@ -23,7 +27,7 @@ def _record_proposals(monkeypatch) -> list[tuple[tuple[int, ...], list[int]]]:
     def recording(proposer, batch):
         out = run(proposer, batch)
         for i in batch.sample_idx.tolist():
-            records.append((tuple(batch.states[i].token_ids), out[i]))
+            records.append((tuple(batch.states[i].token_ids), out.token_ids[i]))
         return out
 
     monkeypatch.setattr(model_runner, "run_proposer", recording)
@@ -173,3 +177,57 @@ def test_heads_match_a_dense_reference(
             assert drafts == _eagle_reference(target_dir, eagle_dir, list(tokens), K)
         else:
             assert drafts == _medusa_reference(target_dir, medusa_dir, list(tokens), K)
+
+
+def _state(seed: int | None = None, **params) -> types.SimpleNamespace:
+    generator = None
+    if seed is not None:
+        generator = torch.Generator().manual_seed(seed)
+    return types.SimpleNamespace(sampling_params=SamplingParams(**params), generator=generator)
+
+
+def test_draft_sampler_samples_q_only_for_sampling_unstructured_requests():
+    """Greedy and structured requests get argmax drafts and no q; a sampling request draws
+    from q = its temperature / top-k applied to the draft logits, and gets q back."""
+    torch.manual_seed(0)
+    vocab = 50
+    states = [
+        _state(temperature=0.0),
+        _state(seed=1, temperature=0.5, top_k=3),
+        _state(temperature=1.0, structured_outputs=StructuredOutputsParams(choice=["a"])),
+    ]
+    draw = DraftSampler(states, [2, 2, 2], torch.device("cpu"))
+    logits = [torch.randn(3, vocab) for _ in range(2)]
+    tokens = [draw(x.clone()) for x in logits]
+    proposal = draw.proposal(tokens)
+    assert proposal.probs[0] is None and proposal.probs[2] is None
+    for row in (0, 2):
+        assert proposal.token_ids[row] == [int(x[row].argmax()) for x in logits]
+    q = proposal.probs[1]  # [2, V]
+    for j, x in enumerate(logits):
+        top3 = x[1].topk(3).indices
+        expected = torch.zeros(vocab)
+        expected[top3] = torch.softmax(x[1][top3] / 0.5, dim=0)
+        torch.testing.assert_close(q[j], expected)
+        assert proposal.token_ids[1][j] in top3.tolist()
+
+
+def test_draft_sampler_seeded_draws_depend_only_on_the_request():
+    """A seeded request draws once per draft it may keep, from its own generator: the same
+    drafts whatever the batch around it and however many drafts the others get."""
+    vocab = 40
+    logits = torch.randn(3, 2, vocab)  # [steps, requests, V]
+
+    def drafts(states, limits, rows):
+        draw = DraftSampler(states, limits, torch.device("cpu"))
+        return draw.proposal([draw(x[rows].clone()) for x in logits]).token_ids
+
+    alone = drafts([_state(seed=7, temperature=1.0)], [2], [0])[0]
+    crowded = drafts([_state(temperature=1.0), _state(seed=7, temperature=1.0)], [3, 2], [1, 0])[1]
+    assert alone == crowded and len(alone) == 2
+    # Two draws taken from the generator, not three.
+    generator = torch.Generator().manual_seed(7)
+    torch.rand(2, generator=generator)
+    state = _state(seed=7, temperature=1.0)
+    drafts([state], [2], [0])
+    assert torch.equal(state.generator.get_state(), generator.get_state())

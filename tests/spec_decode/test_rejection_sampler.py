@@ -166,3 +166,23 @@ def test_logprobs_follow_the_emitted_tokens():
     assert [row[0] for row in lists.token_ids] == tokens[0]
     assert lists.ranks == [1, 1]
     assert len(lists.token_ids[0]) == 3
+
+
+def test_verify_and_sample_lays_out_each_requests_q():
+    """Request 0 hands over q == p at its two draft rows (and a row it did not get to
+    verify): its least likely drafts are still always accepted. Request 1 drafted by argmax
+    (q one-hot) a token p all but forbids: always rejected. Request 2 has no draft."""
+    torch.manual_seed(0)
+    logits = torch.randn(3 + 2 + 1, V)
+    logits[3, 0] = -40.0
+    q0 = torch.cat([torch.softmax(logits[:2], dim=-1), torch.full((1, V), 1.0 / V)])
+    drafts = [logits[:2].argmin(dim=-1).tolist(), [0], []]
+    params = [SamplingParams(temperature=1.0)] * 3
+    for _ in range(50):
+        tokens, _ = verify_and_sample(
+            logits, drafts, params, [[1]] * 3, [[]] * 3, [None] * 3, RejectionSampler(),
+            [q0, None, None],
+        )  # fmt: skip
+        assert tokens[0][:2] == drafts[0] and len(tokens[0]) == 3
+        assert len(tokens[1]) == 1 and tokens[1][0] != 0
+        assert len(tokens[2]) == 1

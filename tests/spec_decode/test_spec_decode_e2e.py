@@ -36,6 +36,15 @@ def _run(llm: LLM, prompts, params=None) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def _spec_llm(target_dir: str, spec_config: dict) -> LLM:
+    return LLM(
+        model=target_dir,
+        dtype="float32",
+        kv_cache_memory=KV_BYTES,
+        speculative_config=spec_config,
+    )
+
+
 def _scheduler(llm: LLM):
     return llm.llm_engine.engine_core.engine_core.scheduler
 
@@ -57,12 +66,7 @@ def reference(target_dir) -> list[list[int]]:
 
 @pytest.mark.parametrize("method", METHODS)
 def test_greedy_is_token_identical(method, target_dir, spec_configs, reference):
-    llm = LLM(
-        model=target_dir,
-        dtype="float32",
-        kv_cache_memory=KV_BYTES,
-        speculative_config=spec_configs[method],
-    )
+    llm = _spec_llm(target_dir, spec_configs[method])
     totals = _track_acceptance(llm)
     assert _run(llm, _prompts()) == reference
     assert totals.num_drafts > 0
@@ -94,12 +98,7 @@ def test_greedy_identical_with_chunked_prefill_prefix_caching_and_preemption(
 
 
 def test_draft_model_identical_to_target_accepts_all_k(target_dir, spec_configs):
-    llm = LLM(
-        model=target_dir,
-        dtype="float32",
-        kv_cache_memory=KV_BYTES,
-        speculative_config=spec_configs["draft_is_target"],
-    )
+    llm = _spec_llm(target_dir, spec_configs["draft_is_target"])
     totals = _track_acceptance(llm)
     _run(llm, [_prompts()[0]], _greedy(max_tokens=41))  # 1 + 10 steps of 4 tokens
     assert totals.num_drafts == 10
@@ -108,39 +107,36 @@ def test_draft_model_identical_to_target_accepts_all_k(target_dir, spec_configs)
 
 
 def test_ngram_accepts_on_repetitive_text(target_dir, spec_configs):
-    llm = LLM(
-        model=target_dir,
-        dtype="float32",
-        kv_cache_memory=KV_BYTES,
-        speculative_config=spec_configs["ngram"],
-    )
+    llm = _spec_llm(target_dir, spec_configs["ngram"])
     totals = _track_acceptance(llm)
     _run(llm, [[7, 8, 9, 10, 11] * 8], _greedy(max_tokens=64))
     assert totals.num_accepted_tokens / totals.num_drafts > 0
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_is_target"])
+def test_sampled_drafts_from_the_target_itself_are_accepted(target_dir, spec_configs):
+    """At temperature 1 the draft model samples its drafts and hands over q; drafting with
+    the target's own weights makes q == p (up to rounding), so min(1, p / q) accepts all."""
+    llm = _spec_llm(target_dir, spec_configs["draft_is_target"])
+    totals = _track_acceptance(llm)
+    params = SamplingParams(temperature=1.0, max_tokens=120, ignore_eos=True)
+    outs = _run(llm, _prompts(), [params] * len(_prompts()))
+    assert all(len(t) == 120 for t in outs)
+    assert totals.num_draft_tokens >= 300
+    assert totals.num_accepted_tokens / totals.num_draft_tokens > 0.95
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_is_target", "draft_model", "eagle"])
 def test_seeded_sampling_is_reproducible(method, target_dir, spec_configs):
     params = [
         SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_tokens=20, ignore_eos=True)
         for s in (1, 2)
     ]
     prompts = _prompts()[-2:]
-    llm = LLM(
-        model=target_dir,
-        dtype="float32",
-        kv_cache_memory=KV_BYTES,
-        speculative_config=spec_configs[method],
-    )
+    llm = _spec_llm(target_dir, spec_configs[method])
     first = _run(llm, prompts, params)
     again = _run(llm, prompts, params)
     other = _run(
-        LLM(
-            model=target_dir,
-            dtype="float32",
-            kv_cache_memory=KV_BYTES,
-            speculative_config=spec_configs[method],
-        ),
+        _spec_llm(target_dir, spec_configs[method]),
         prompts[::-1],
         params[::-1],
     )[::-1]
@@ -149,12 +145,7 @@ def test_seeded_sampling_is_reproducible(method, target_dir, spec_configs):
 
 
 def test_n_greater_than_one_and_mixed_batches(target_dir, spec_configs, reference):
-    llm = LLM(
-        model=target_dir,
-        dtype="float32",
-        kv_cache_memory=KV_BYTES,
-        speculative_config=spec_configs["draft_model"],
-    )
+    llm = _spec_llm(target_dir, spec_configs["draft_model"])
     prompts = _prompts()
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts[:2]],
@@ -171,12 +162,7 @@ def test_n_greater_than_one_and_mixed_batches(target_dir, spec_configs, referenc
 
 def test_logprobs_with_drafts(target_dir, spec_configs):
     plain = LLM(model=target_dir, dtype="float32", kv_cache_memory=KV_BYTES)
-    spec = LLM(
-        model=target_dir,
-        dtype="float32",
-        kv_cache_memory=KV_BYTES,
-        speculative_config=spec_configs["draft_is_target"],
-    )
+    spec = _spec_llm(target_dir, spec_configs["draft_is_target"])
     prompts = [{"prompt_token_ids": _prompts()[3]}]
     params = _greedy(max_tokens=9, logprobs=2)
     (a,) = plain.generate(prompts, params, use_tqdm=False)
@@ -196,12 +182,7 @@ def test_structured_outputs_next_to_speculating_requests(target_dir, spec_config
 
     from pagedllm import StructuredOutputsParams
 
-    llm = LLM(
-        model=target_dir,
-        dtype="float32",
-        kv_cache_memory=KV_BYTES,
-        speculative_config=spec_configs["draft_is_target"],
-    )
+    llm = _spec_llm(target_dir, spec_configs["draft_is_target"])
     totals = _track_acceptance(llm)
     prompts = _prompts()
     regex = r"[a-z]{3,8}@[a-z]{3,6}\.(com|org)"
