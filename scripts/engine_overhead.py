@@ -4,7 +4,8 @@ Usage: python scripts/engine_overhead.py MODEL_DIR BATCH CONTEXT [TEMPERATURE TO
 
 Runs an in-process engine with BATCH requests of CONTEXT random prompt tokens, lets them
 reach steady decoding, then times `LLMEngine.step` (scheduling, input preparation, sampling,
-output processing) against the time inside the model forward and the LM head.
+output processing) against the time inside the model forward and the LM head. Requests are
+FINAL_ONLY, as in `LLM.generate`, and the process gets the engine process's malloc settings.
 """
 
 from __future__ import annotations
@@ -16,8 +17,16 @@ import time
 
 
 def main() -> None:
+    from pagedllm.engine.core_client import _ENGINE_GLIBC_TUNABLES
+
+    if "GLIBC_TUNABLES" not in os.environ:
+        # The engine runs in this process here: give it the malloc settings a spawned engine
+        # process gets (they are read at process start, hence the re-exec).
+        env = dict(os.environ, GLIBC_TUNABLES=_ENGINE_GLIBC_TUNABLES)
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
     os.environ["PAGEDLLM_ENABLE_MULTIPROCESSING"] = "0"
     from pagedllm import LLM, SamplingParams
+    from pagedllm.sampling_params import RequestOutputKind
 
     model_dir, batch, context = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     temperature = float(sys.argv[4]) if len(sys.argv) > 4 else 0.8
@@ -40,8 +49,14 @@ def main() -> None:
     model.compute_logits = timed(model.compute_logits)
     vocab = engine.config.model_config.vocab_size
     rng = random.Random(0)
+    # FINAL_ONLY, as `LLM.generate` sets it: no per-step RequestOutput (text is still
+    # detokenized incrementally every step).
     params = SamplingParams(
-        temperature=temperature, top_p=top_p, max_tokens=10_000, ignore_eos=True
+        temperature=temperature,
+        top_p=top_p,
+        max_tokens=10_000,
+        ignore_eos=True,
+        output_kind=RequestOutputKind.FINAL_ONLY,
     )
     for i in range(batch):
         prompt = [rng.randrange(10, vocab) for _ in range(context)]
