@@ -11,12 +11,27 @@ stop string split over two steps never leaks into a streamed delta.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from pagedllm.sampling_params import SamplingParams
 
 # Prompt tokens fed to the stream before the first output token (context for decoding).
 _PROMPT_CONTEXT_TOKENS = 6
+
+# tokenizer backend -> ids of its special added tokens (computed once per tokenizer).
+_SPECIAL_IDS: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
+def special_token_ids(backend: Any) -> frozenset[int]:
+    """Ids of a `tokenizers.Tokenizer`'s special added tokens: what `skip_special_tokens`
+    drops from the text."""
+    ids = _SPECIAL_IDS.get(backend)
+    if ids is None:
+        added = backend.get_added_tokens_decoder()
+        ids = frozenset(i for i, token in added.items() if token.special)
+        _SPECIAL_IDS[backend] = ids
+    return ids
 
 
 class IncrementalDetokenizer:
@@ -33,6 +48,9 @@ class IncrementalDetokenizer:
         self.output_text = ""
         self.token_ids: list[int] = []
         self._stream = None
+        # Special tokens skipped from the text bypass the stream: they add no text, and the
+        # stream re-decodes its whole pending window on each one (quadratic over a long run).
+        self._skipped_ids: frozenset[int] = frozenset()
         backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(
             tokenizer, "_tokenizer", None
         )
@@ -40,6 +58,8 @@ class IncrementalDetokenizer:
             from tokenizers.decoders import DecodeStream
 
             self._backend = backend
+            if self.skip_special_tokens:
+                self._skipped_ids = special_token_ids(backend)
             self._stream = DecodeStream(
                 ids=self._clean_context(prompt_token_ids),
                 skip_special_tokens=self.skip_special_tokens,
@@ -74,6 +94,8 @@ class IncrementalDetokenizer:
         return self._check_stop_strings(start)
 
     def _decode_next(self, token_id: int) -> str:
+        if token_id in self._skipped_ids:
+            return ""
         if self._stream is not None:
             try:
                 return self._stream.step(self._backend, token_id) or ""

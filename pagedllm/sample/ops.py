@@ -201,28 +201,84 @@ def random_sample(weights: torch.Tensor, generators: dict[int, torch.Generator])
     Inverse CDF: with c = cumsum(w) and u ~ Uniform[0, c_V), the first token whose c_i > u is
     token i with probability w_i / sum(w); a masked token (w_i = 0) has an empty interval and is
     never drawn. One uniform per row instead of one per token (the exponential race): about 12x
-    cheaper on the CPU at a 32k vocabulary. Rows in `generators` (row -> torch.Generator) draw
+    cheaper on the CPU at a 32k vocabulary; the cumsum is two-level (`_inverse_cdf_draw`). Rows in `generators` (row -> torch.Generator) draw
     their uniform from it, so a seeded request's tokens do not depend on which other rows share
     the batch; the other rows use the global RNG.
     """
     return _inverse_cdf_draw(weights, generators)[0]
 
 
+# Tokens per chunk in the two-level ops (`argmax`, the inverse-CDF draw): each reads the
+# whole row once in a cheap chunked reduction, then works inside one chunk per row.
+_CHUNK = 256
+
+
+def _chunk_reduce(x: torch.Tensor, reduce: str) -> torch.Tensor:
+    """`x [B, V]` -> `[B, ceil(V / _CHUNK)]`: the "sum" or "amax" of each chunk of columns (the
+    last one may be shorter)."""
+    num_rows, vocab_size = x.shape
+    num_full = vocab_size // _CHUNK
+    parts = []
+    if num_full:
+        full = x[:, : num_full * _CHUNK].reshape(num_rows, num_full, _CHUNK)
+        parts.append(getattr(full, reduce)(dim=-1))
+    if num_full * _CHUNK < vocab_size:
+        parts.append(getattr(x[:, num_full * _CHUNK :], reduce)(dim=-1, keepdim=True))
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+
+def _chunk_values(x: torch.Tensor, chunk: torch.Tensor, fill: float) -> tuple[torch.Tensor, ...]:
+    """Each row's chunk `chunk [B, 1]` of `x [B, V]` -> (first column [B, 1], values
+    [B, _CHUNK]); columns past the end of a short last chunk read `fill`."""
+    vocab_size = x.shape[1]
+    first = chunk * _CHUNK
+    columns = first + torch.arange(_CHUNK, device=x.device)  # [B, _CHUNK]
+    values = x.gather(1, columns.clamp(max=vocab_size - 1))
+    if vocab_size % _CHUNK:
+        values.masked_fill_(columns >= vocab_size, fill)
+    return first, values
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """`logits [B, V]` -> the first index of each row's maximum [B] int64 (greedy sampling).
+    Two levels: chunk maxima, then the argmax inside the first chunk holding the row's
+    maximum; about 5x cheaper than `Tensor.argmax` on the CPU at a 32k vocabulary."""
+    if logits.shape[1] < 2 * _CHUNK:
+        return logits.argmax(dim=-1)
+    best = _chunk_reduce(logits, "amax").argmax(dim=-1, keepdim=True)  # [B, 1]
+    first, values = _chunk_values(logits, best, _NEG_INF)
+    return (first + values.argmax(dim=-1, keepdim=True)).squeeze_(1)
+
+
 def _inverse_cdf_draw(
     weights: torch.Tensor, generators: dict[int, torch.Generator]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`random_sample`, also returning each row's total weight [B, 1]."""
-    num_rows, vocab_size = weights.shape
-    cdf = weights.cumsum(dim=-1)  # [B, V]
-    total = cdf[:, -1:]
-    u = torch.empty(num_rows, 1, dtype=cdf.dtype, device=cdf.device)  # [B, 1]
+    """`random_sample`, also returning each row's total weight [B, 1].
+
+    Two levels, so that only one cheap pass (a sum) reads the whole row: u picks a chunk by
+    the cumsum of the chunk sums, then a token inside that chunk by the cumsum of its weights.
+    Float rounding can leave u at or past the end of a cumsum; the pick is then capped at the
+    last chunk (token) with weight, so a zero-weight token is never drawn.
+    """
+    num_rows = weights.shape[0]
+    chunk_cdf = _chunk_reduce(weights, "sum").cumsum(dim=-1)  # [B, num_chunks]
+    total = chunk_cdf[:, -1:].contiguous()  # [B, 1]
+    u = torch.empty(num_rows, 1, dtype=total.dtype, device=total.device)  # [B, 1]
     if len(generators) < num_rows:
         u.uniform_()
     for row, generator in generators.items():
         u[row].uniform_(generator=generator)
     u.mul_(total)
-    tokens = torch.searchsorted(cdf, u, right=True).squeeze_(1).clamp_max_(vocab_size - 1)
-    return tokens, total
+    # The first chunk whose cdf exceeds u, at most the last chunk with weight (where the cdf
+    # first reaches the total).
+    last = torch.searchsorted(chunk_cdf, total)
+    chunk = torch.searchsorted(chunk_cdf, u, right=True).clamp_(max=last)  # [B, 1]
+    before = chunk_cdf.gather(1, (chunk - 1).clamp_(min=0)).masked_fill_(chunk == 0, 0.0)
+    first, values = _chunk_values(weights, chunk, 0.0)
+    inner_cdf = values.cumsum(dim=-1)
+    last = torch.searchsorted(inner_cdf, inner_cdf[:, -1:].contiguous())
+    index = torch.searchsorted(inner_cdf, u - before, right=True).clamp_(max=last)
+    return (first + index).squeeze_(1), total
 
 
 def random_sample_top_p(

@@ -36,8 +36,11 @@ class SamplerOutput:
 class Sampler(nn.Module):
     """Samples one token per row of the logits, following each row's `SamplingParams`."""
 
-    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """`logits [B, V]` (any float dtype; left unchanged) -> `SamplerOutput`."""
+    def forward(
+        self, logits: torch.Tensor, metadata: SamplingMetadata, overwrite: bool = False
+    ) -> SamplerOutput:
+        """`logits [B, V]` (any float dtype) -> `SamplerOutput`. `logits` is left unchanged
+        unless the caller hands it over with `overwrite=True` (saves a [B, V] copy)."""
         processed = logits.to(torch.float32)
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
@@ -45,7 +48,7 @@ class Sampler(nn.Module):
 
         # The ops work in place on the sampler's own copy; an fp32 input has to be copied
         # first, unless nothing writes to it before temperature (which can copy as it goes).
-        owned = processed is not logits
+        owned = overwrite or processed is not logits
         if not owned and _has_logits_processors(metadata):
             processed, owned = processed.clone(), True
         processed = self.apply_logits_processors(processed, metadata)
@@ -87,7 +90,7 @@ class Sampler(nn.Module):
         `in_place`, else work on a copy."""
         greedy = None
         if not metadata.all_random:
-            greedy = logits.max(dim=-1).indices  # [B]; 3x cheaper than argmax on the CPU
+            greedy = ops.argmax(logits)  # [B]
             if metadata.all_greedy:
                 return greedy
 

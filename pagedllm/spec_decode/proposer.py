@@ -238,7 +238,7 @@ class DraftSampler:
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """Float32 draft logits `[S, V]` at the next draft position -> tokens [S] int64."""
-        tokens = logits.argmax(dim=-1)
+        tokens = ops.argmax(logits)
         if not self.rows:
             return tokens
         if self.metadata is None:

@@ -122,7 +122,7 @@ class RejectionSampler(nn.Module):
         """-> (token emitted at each row if the walk reaches it [T], draft accepted [T])."""
         greedy = None
         if not metadata.all_random:
-            greedy = processed.argmax(dim=-1)  # [T]
+            greedy = ops.argmax(processed)  # [T]
             if metadata.all_greedy:
                 return greedy, is_draft_row & (drafts == greedy)
 

@@ -317,7 +317,7 @@ class ModelRunner:
             vocab_size=logits.shape[-1],
             device=self.device,
         )
-        out = self.sampler(logits, metadata)
+        out = self.sampler(logits, metadata, overwrite=True)  # the logits are ours to spend
         token_ids = out.sampled_token_ids.tolist()
         row_logprobs = None
         if out.logprobs is not None:

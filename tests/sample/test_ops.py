@@ -222,3 +222,28 @@ def test_random_sample_top_p_seeded_rows_batch_independent():
     crowded = [d[2] for d in draw([0, 1, 3], {0: 5, 2: 11})]
     assert alone == crowded
     assert alone != [d[0] for d in draw([3], {0: 12})]
+
+
+@pytest.mark.parametrize("vocab", [700, 512, 5])
+def test_random_sample_across_chunks_and_a_partial_last_chunk(vocab):
+    """The two-level draw: mass at chunk edges and in a partial last chunk is drawn in
+    proportion, and zero-weight tokens (including at the very end) never are."""
+    torch.manual_seed(3)
+    ids = sorted({0, 1, vocab // 2, vocab - 2} | ({255, 256, 511} if vocab > 511 else set()))
+    weights = torch.zeros(vocab)
+    weights[ids] = torch.linspace(1.0, 3.0, len(ids))
+    n = 20000
+    draws = ops.random_sample(weights.repeat(n, 1), {})
+    assert chi_square(draws, weights / weights.sum()) < CHI2_999[len(ids) - 1]
+
+
+@pytest.mark.parametrize("vocab", [7, 511, 512, 700, 32000])
+def test_argmax_matches_torch_including_ties_and_short_last_chunk(vocab):
+    torch.manual_seed(4)
+    logits = torch.randn(6, vocab)
+    logits[1, -1] = 100.0  # the max in the (short) last chunk
+    logits[2, :] = NEG_INF  # nothing allowed: index 0, like torch
+    logits[3, [vocab // 3, vocab // 2, vocab - 1]] = 50.0  # ties: the first one wins
+    logits[4] = logits[4].round()  # many ties everywhere
+    assert ops.argmax(logits).tolist() == logits.argmax(dim=-1).tolist()
+    assert ops.argmax(logits)[3].item() == vocab // 3

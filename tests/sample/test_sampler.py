@@ -69,6 +69,25 @@ def test_input_logits_unchanged():
     assert torch.equal(logits, before)
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"temperature": 0.7}, {"temperature": 0.9, "top_p": 0.6, "top_k": 20, "presence_penalty": 0.5}],
+)
+def test_overwrite_gives_the_same_tokens(kwargs):
+    """Handing the logits over (`overwrite=True`, the runner's call) changes nothing but the
+    copy: seeded draws are identical."""
+    logits = torch.randn(3, V)
+    results = []
+    for overwrite in (False, True):
+        params = [_params(seed=5, **kwargs)] * 3
+        metadata = SamplingMetadata.build(
+            params, [[1, 2]] * 3, [[4]] * 3, [_seeded_gen(i) for i in range(3)], V, "cpu"
+        )
+        out = Sampler()(logits.clone(), metadata, overwrite=overwrite)
+        results.append(out.sampled_token_ids.tolist())
+    assert results[0] == results[1]
+
+
 def test_bf16_logits():
     logits = torch.randn(4, V).to(torch.bfloat16)
     out, _ = _sample(logits, [_params(temperature=0.0), _params(temperature=1.0)] * 2)
