@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -138,11 +139,11 @@ def _split_by_length(
     return sorted(out)
 
 
-def _rows(rows: list[int], device: torch.device) -> torch.Tensor | slice:
-    """An index tensor for `rows`, or the equivalent slice when they are consecutive."""
-    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
-        return slice(rows[0], rows[0] + len(rows))
-    return torch.tensor(rows, dtype=torch.int64, device=device)
+def _rows(rows: np.ndarray, device: torch.device) -> torch.Tensor | slice:
+    """An index tensor for `rows` (int64), or the equivalent slice when they are consecutive."""
+    if len(rows) and rows[-1] - rows[0] == len(rows) - 1 and (np.diff(rows) == 1).all():
+        return slice(int(rows[0]), int(rows[0]) + len(rows))
+    return torch.from_numpy(rows).to(device)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -168,66 +169,67 @@ class TorchAttentionBackend(AttentionBackend):
     # ---------------------------------------------------------------- per-step metadata
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
-        qsl, seq_lens = common.query_start_loc_cpu, common.seq_lens_cpu
+        qsl = np.asarray(common.query_start_loc_cpu, dtype=np.int64)
+        seq_lens = np.asarray(common.seq_lens_cpu, dtype=np.int64)
         meta = TorchAttentionMetadata(
             num_actual_tokens=common.num_actual_tokens,
             slot_mapping=common.slot_mapping[: common.num_actual_tokens].long(),
             block_size=common.block_size,
         )
-        decodes, shorts = [], []
-        for i in range(common.num_reqs):
-            query_len = qsl[i + 1] - qsl[i]
-            if query_len == 1:
-                decodes.append(i)
-            elif 0 < query_len <= self.max_batched_query_len:
-                shorts.append(i)
-            elif query_len > 0:
-                meta.prefills.append(self._build_prefill(common, i))
+        query_lens = np.diff(qsl)
+        decodes = np.flatnonzero(query_lens == 1)
+        shorts = np.flatnonzero((query_lens > 1) & (query_lens <= self.max_batched_query_len))
+        for r in np.flatnonzero(query_lens > max(self.max_batched_query_len, 1)).tolist():
+            meta.prefills.append(self._build_prefill(common, r))
+        bs = common.block_size
         for reqs in (decodes, shorts):
-            if not reqs:
+            if not len(reqs):
                 continue
-            by_len = sorted(reqs, key=lambda r: -seq_lens[r])
-            blocks = [-(-seq_lens[r] // common.block_size) for r in by_len]
-            overhead = -(-_GROUP_OVERHEAD_TOKENS // common.block_size)
-            cuts = _split_by_length(blocks, overhead)
+            by_len = reqs[np.argsort(-seq_lens[reqs], kind="stable")]
+            blocks = (-(-seq_lens[by_len] // bs)).tolist()
+            cuts = _split_by_length(blocks, -(-_GROUP_OVERHEAD_TOKENS // bs))
             if len(cuts) == 1:  # keep batch order: rows stay a contiguous slice more often
-                meta.groups.append(self._build_group(common, reqs))
+                meta.groups.append(self._build_group(common, reqs, qsl, seq_lens))
                 continue
             for lo, hi in cuts:
-                meta.groups.append(self._build_group(common, by_len[lo:hi]))
+                meta.groups.append(self._build_group(common, by_len[lo:hi], qsl, seq_lens))
         gathers = [g.num_reqs * g.num_blocks for g in meta.groups]
         gathers += [p.block_ids.shape[0] for p in meta.prefills if p.block_ids is not None]
         meta.max_gather_blocks = max(gathers, default=0)
         return meta
 
-    def _build_group(self, common: CommonAttentionMetadata, reqs: list[int]) -> BatchedGroup:
-        qsl, seq_lens, bs = common.query_start_loc_cpu, common.seq_lens_cpu, common.block_size
+    def _build_group(
+        self,
+        common: CommonAttentionMetadata,
+        reqs: np.ndarray,  # [B] request indices
+        qsl: np.ndarray,  # [num_reqs + 1] query start locations
+        seq_lens: np.ndarray,  # [num_reqs]
+    ) -> BatchedGroup:
+        bs = common.block_size
         dev = common.block_table.device
         num_reqs = len(reqs)
-        query_lens = [qsl[r + 1] - qsl[r] for r in reqs]
-        max_q = max(query_lens)
-        num_blocks = max(-(-seq_lens[r] // bs) for r in reqs)
+        starts = qsl[reqs]  # [B]
+        query_lens = qsl[reqs + 1] - starts  # [B]
+        max_q = int(query_lens.max())
+        need = -(-seq_lens[reqs] // bs)  # [B] blocks per request
+        num_blocks = int(need.max())
 
-        q_rows, out_src, out_rows, q_pos = [], [], [], []
-        for b, (r, q_len) in enumerate(zip(reqs, query_lens)):
-            ctx = seq_lens[r] - q_len
-            for i in range(max_q):
-                j = min(i, q_len - 1)  # padded rows repeat the last real one
-                q_rows.append(qsl[r] + j)
-                q_pos.append(ctx + j)
-                if i < q_len:
-                    out_src.append(b * max_q + i)
-                    out_rows.append(qsl[r] + i)
+        # Query row i of request b: its row min(i, q_len - 1) (padding repeats the last one).
+        i = np.arange(max_q)
+        j = np.minimum(i[None, :], query_lens[:, None] - 1)  # [B, Qmax]
+        q_rows = (starts[:, None] + j).reshape(-1)
+        q_pos = (seq_lens[reqs] - query_lens)[:, None] + j  # [B, Qmax] key position
+        real = i[None, :] < query_lens[:, None]  # [B, Qmax]
 
-        req_idx = torch.tensor(reqs, dtype=torch.int64, device=dev)
-        need = torch.tensor([-(-seq_lens[r] // bs) for r in reqs], device=dev)  # [B]
+        req_idx = torch.from_numpy(reqs).to(dev)
         table = common.block_table.index_select(0, req_idx)[:, :num_blocks].long()
         cols = torch.arange(num_blocks, device=dev)
         # Entries past a request's own blocks may be stale or -1: point them at block 0.
-        table = torch.where(cols[None, :] < need[:, None], table, 0)  # [B, num_blocks]
+        need_t = torch.from_numpy(need).to(dev)
+        table = torch.where(cols[None, :] < need_t[:, None], table, 0)  # [B, num_blocks]
 
         key_pos = torch.arange(num_blocks * bs, device=dev)  # [Lpad]
-        q_pos_t = torch.tensor(q_pos, device=dev).view(num_reqs, max_q)  # [B, Qmax]
+        q_pos_t = torch.from_numpy(q_pos).to(dev)  # [B, Qmax]
         mask = key_pos[None, None, :] <= q_pos_t[:, :, None]  # [B, Qmax, Lpad]
         return BatchedGroup(
             num_reqs=num_reqs,
@@ -236,8 +238,8 @@ class TorchAttentionBackend(AttentionBackend):
             q_rows=_rows(q_rows, dev),
             block_ids=table.reshape(-1),
             mask=mask.unsqueeze(1),
-            out_src=None if max_q == 1 else torch.tensor(out_src, device=dev),
-            out_rows=_rows(out_rows, dev),
+            out_src=None if max_q == 1 else torch.from_numpy(np.flatnonzero(real)).to(dev),
+            out_rows=_rows((starts[:, None] + i[None, :])[real], dev),
         )
 
     def _build_prefill(self, common: CommonAttentionMetadata, r: int) -> PrefillRequest:

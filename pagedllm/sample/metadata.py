@@ -85,6 +85,9 @@ class SamplingMetadata:
     allowed_token_ids: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     # (rows [N], token ids [N]) forced to -inf: stop tokens before min_tokens, and bad words.
     banned_token_ids: tuple[torch.Tensor, torch.Tensor] | None
+    # Nothing above depends on the rows' output tokens (no penalties, min_tokens or bad
+    # words): the same rows may reuse this metadata next step.
+    reusable: bool = False
 
     @classmethod
     def build(
@@ -152,7 +155,19 @@ class SamplingMetadata:
             logit_bias=_build_logit_bias(params, vocab_size, device),
             allowed_token_ids=_build_allowed(params, vocab_size, device),
             banned_token_ids=_build_banned(params, output_token_ids, vocab_size, device),
+            reusable=all(_output_independent(p) for p in params),
         )
+
+
+def _output_independent(p: SamplingParams) -> bool:
+    """Whether a row's sampling tensors stay the same however many tokens it generates."""
+    return (
+        p.repetition_penalty == 1.0
+        and p.frequency_penalty == 0.0
+        and p.presence_penalty == 0.0
+        and p.min_tokens == 0
+        and not p.bad_words_token_ids
+    )
 
 
 def _build_repetition(

@@ -11,6 +11,8 @@ runs; it only executes what the scheduler chose.
 
 from __future__ import annotations
 
+import itertools
+
 import logging
 from dataclasses import dataclass, field
 
@@ -83,6 +85,8 @@ class ModelRunner:
         spec = get_speculative_config(config)
         self.drafter = make_proposer(config, spec, device) if spec is not None else None
         self.rejection_sampler = RejectionSampler()
+        # (request states, their SamplingMetadata) of the last plain sampling step.
+        self._cached_metadata: tuple[list[CachedRequestState], SamplingMetadata] | None = None
 
     # ---- set-up ----------------------------------------------------------------------------
 
@@ -197,8 +201,8 @@ class ModelRunner:
         k + 1 rows: the `RejectionSampler` verifies the drafts there and emits the accepted
         ones plus one (spec_decode/verifier.py); without drafts anywhere in the batch the
         plain `Sampler` samples one token per request from its last row."""
-        ends = start + num_sched
-        sample_rows = [i for i, s in enumerate(states) if int(ends[i]) >= s.num_tokens]
+        ends = (start + num_sched).tolist()
+        sample_rows = [i for i, (s, end) in enumerate(zip(states, ends)) if end >= s.num_tokens]
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs: list[LogprobsLists | None] = [None] * len(req_ids)
         if not sample_rows:
@@ -280,18 +284,20 @@ class ModelRunner:
         positions = start[req_idx] + (np.arange(total) - cu[:-1][req_idx])  # [T]
 
         tokens: list[int] = []
-        for i, s in enumerate(states):
-            a, n = int(start[i]), int(num_sched[i])
+        spec = so.scheduled_spec_decode_tokens
+        for i, (s, a, n) in enumerate(zip(states, start.tolist(), num_sched.tolist())):
             known = s.token_ids[a : a + n]
             tokens.extend(known)
             if len(known) < n:  # draft tokens under verification
-                tokens.extend(so.scheduled_spec_decode_tokens.get(req_ids[i], [])[: n - len(known)])
+                tokens.extend(spec.get(req_ids[i], [])[: n - len(known)])
         input_ids = np.asarray(tokens, dtype=np.int64)
 
-        max_blocks = max(len(s.block_ids) for s in states)
-        block_table = np.zeros((num_reqs, max_blocks), dtype=np.int32)
-        for i, s in enumerate(states):
-            block_table[i, : len(s.block_ids)] = s.block_ids
+        # Block table [num_reqs, max_blocks]: each request's block ids, zero-padded.
+        num_blocks = np.fromiter((len(s.block_ids) for s in states), np.int64, num_reqs)
+        block_table = np.zeros((num_reqs, int(num_blocks.max())), dtype=np.int32)
+        block_table[np.arange(block_table.shape[1]) < num_blocks[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(s.block_ids for s in states), np.int32
+        )
         bs = self.block_size
         slot_mapping = block_table[req_idx, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = (start + num_sched).astype(np.int32)
@@ -309,20 +315,38 @@ class ModelRunner:
         self, logits: torch.Tensor, states: list[CachedRequestState]
     ) -> tuple[list[int], list[LogprobsLists | None] | None]:
         params = [s.sampling_params for s in states]
-        metadata = SamplingMetadata.build(
-            params,
-            [s.prompt_token_ids for s in states],
-            [s.output_token_ids for s in states],
-            [s.generator for s in states],
-            vocab_size=logits.shape[-1],
-            device=self.device,
-        )
+        metadata = self._sampling_metadata(states, logits.shape[-1])
         out = self.sampler(logits, metadata, overwrite=True)  # the logits are ours to spend
         token_ids = out.sampled_token_ids.tolist()
         row_logprobs = None
         if out.logprobs is not None:
             row_logprobs = out.logprobs.to_lists([p.logprobs for p in params])
         return token_ids, row_logprobs
+
+    def _sampling_metadata(
+        self, states: list[CachedRequestState], vocab_size: int
+    ) -> SamplingMetadata:
+        """The rows' SamplingMetadata; last step's when it sampled the very same request
+        states (objects, so a resumed request counts as new) and nothing in it depends on
+        their output tokens, as in a steady decode batch."""
+        cached = self._cached_metadata
+        if (
+            cached is not None
+            and cached[1].reusable
+            and len(cached[0]) == len(states)
+            and all(a is b for a, b in zip(cached[0], states))
+        ):
+            return cached[1]
+        metadata = SamplingMetadata.build(
+            [s.sampling_params for s in states],
+            [s.prompt_token_ids for s in states],
+            [s.output_token_ids for s in states],
+            [s.generator for s in states],
+            vocab_size=vocab_size,
+            device=self.device,
+        )
+        self._cached_metadata = (states, metadata)
+        return metadata
 
     def _prompt_logprobs(
         self,

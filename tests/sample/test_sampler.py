@@ -338,3 +338,37 @@ def test_builder_makes_only_needed_tensors():
     metadata = SamplingMetadata.build(out_of_vocab, [[1]], [[]], [None], V, "cpu")
     assert metadata.logit_bias[1].tolist() == [2]
     assert metadata.allowed_token_ids[2].tolist() == [1]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reusable"),
+    [
+        ({}, True),
+        ({"temperature": 0.8, "top_p": 0.9, "logit_bias": {3: 1.0}, "seed": 1}, True),
+        ({"presence_penalty": 0.5}, False),
+        ({"repetition_penalty": 1.2}, False),
+        ({"min_tokens": 2}, False),
+    ],
+)
+def test_metadata_reusable_only_when_independent_of_outputs(kwargs, reusable):
+    plain = _params()
+    _, metadata = _sample(torch.randn(2, V), [plain, _params(**kwargs)])
+    assert metadata.reusable is reusable
+
+
+def test_runner_reuses_metadata_for_the_same_request_states(tiny_llama_dir, make_engine_config):
+    from pagedllm.worker.model_runner import CachedRequestState, ModelRunner
+
+    runner = ModelRunner(make_engine_config(tiny_llama_dir), torch.device("cpu"))
+
+    def state(req_id: str, **kwargs) -> CachedRequestState:
+        return CachedRequestState(req_id, [1, 2], [], _params(**kwargs), [0], 0)
+
+    a, b = state("a", temperature=0.5), state("b")
+    first = runner._sampling_metadata([a, b], V)
+    assert runner._sampling_metadata([a, b], V) is first
+    assert runner._sampling_metadata([a], V) is not first  # other rows
+    again = runner._sampling_metadata([a, state("b")], V)  # b resumed: a new state
+    assert again is not first
+    penalized = [a, state("c", frequency_penalty=1.0)]
+    assert runner._sampling_metadata(penalized, V) is not runner._sampling_metadata(penalized, V)
