@@ -250,35 +250,38 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return (first + values.argmax(dim=-1, keepdim=True)).squeeze_(1)
 
 
+def _search_cdf(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index [B, 1] of the first entry of each row of `cdf [B, K]` that exceeds `u [B, 1]`,
+    capped at the row's last entry with weight (where the cdf first reaches its total): float
+    rounding can leave u at or past the end, and a zero-weight entry must never be picked."""
+    last = torch.searchsorted(cdf, cdf[:, -1:].contiguous())
+    return torch.searchsorted(cdf, u, right=True).clamp_(max=last)
+
+
 def _inverse_cdf_draw(
-    weights: torch.Tensor, generators: dict[int, torch.Generator]
+    weights: torch.Tensor, generators: dict[int, torch.Generator], two_level: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`random_sample`, also returning each row's total weight [B, 1].
 
     Two levels, so that only one cheap pass (a sum) reads the whole row: u picks a chunk by
     the cumsum of the chunk sums, then a token inside that chunk by the cumsum of its weights.
-    Float rounding can leave u at or past the end of a cumsum; the pick is then capped at the
-    last chunk (token) with weight, so a zero-weight token is never drawn.
+    `two_level=False`: one whole-row cumsum, fewer ops for a handful of rows.
     """
     num_rows = weights.shape[0]
-    chunk_cdf = _chunk_reduce(weights, "sum").cumsum(dim=-1)  # [B, num_chunks]
-    total = chunk_cdf[:, -1:].contiguous()  # [B, 1]
+    cdf = _chunk_reduce(weights, "sum").cumsum(dim=-1) if two_level else weights.cumsum(dim=-1)
+    total = cdf[:, -1:].contiguous()  # [B, 1]
     u = torch.empty(num_rows, 1, dtype=total.dtype, device=total.device)  # [B, 1]
     if len(generators) < num_rows:
         u.uniform_()
     for row, generator in generators.items():
         u[row].uniform_(generator=generator)
     u.mul_(total)
-    # The first chunk whose cdf exceeds u, at most the last chunk with weight (where the cdf
-    # first reaches the total).
-    last = torch.searchsorted(chunk_cdf, total)
-    chunk = torch.searchsorted(chunk_cdf, u, right=True).clamp_(max=last)  # [B, 1]
-    before = chunk_cdf.gather(1, (chunk - 1).clamp_(min=0)).masked_fill_(chunk == 0, 0.0)
-    first, values = _chunk_values(weights, chunk, 0.0)
-    inner_cdf = values.cumsum(dim=-1)
-    last = torch.searchsorted(inner_cdf, inner_cdf[:, -1:].contiguous())
-    index = torch.searchsorted(inner_cdf, u - before, right=True).clamp_(max=last)
-    return (first + index).squeeze_(1), total
+    picked = _search_cdf(cdf, u)  # [B, 1]: the token, or with two levels its chunk
+    if not two_level:
+        return picked.squeeze_(1), total
+    before = cdf.gather(1, (picked - 1).clamp_(min=0)).masked_fill_(picked == 0, 0.0)
+    first, values = _chunk_values(weights, picked, 0.0)
+    return (first + _search_cdf(values.cumsum(dim=-1), u - before)).squeeze_(1), total
 
 
 def random_sample_top_p(
@@ -297,12 +300,13 @@ def random_sample_top_p(
     few (about one for p near 1, O(log 1/p) at worst), each costing a cumsum and three cheap
     passes over the rows still drawing, instead of an O(V log V) sort of every row.
     """
-    num_rows = weights.shape[0]
-    out = torch.empty(num_rows, dtype=torch.int64, device=weights.device)
-    rows = torch.arange(num_rows, device=weights.device)
+    out = None  # [B]: round one's draws, rejected rows overwritten as later rounds accept
+    rows = torch.arange(weights.shape[0], device=weights.device)
     limit = None  # [R, 1]: top_p times the row's full mass
     while True:
-        tokens, total = _inverse_cdf_draw(weights, generators)  # [R], [R, 1]
+        # Later rounds hold a few rows: one cumsum costs less than the two-level ops. (Per
+        # round, not per row count, so that a seeded row draws the same whatever its batch.)
+        tokens, total = _inverse_cdf_draw(weights, generators, two_level=limit is None)
         if limit is None:
             limit = _nucleus_limit(top_p) * total
         picked = weights.gather(1, tokens[:, None])  # [R, 1]
@@ -311,7 +315,10 @@ def random_sample_top_p(
         # still in S, so its sum is the mass ahead of `picked` in the full row.
         above = torch.gt(weights, picked, out=torch.empty_like(weights)).mul_(weights)
         accepted = (above.sum(dim=-1, keepdim=True) < limit).squeeze_(1)  # [R]
-        out[rows[accepted]] = tokens[accepted]
+        if out is None:
+            out = tokens
+        else:
+            out[rows[accepted]] = tokens[accepted]
         rejected = (~accepted).nonzero().squeeze_(1)  # host sync
         if rejected.numel() == 0:
             return out
