@@ -91,11 +91,20 @@ def run_one(args: argparse.Namespace, method: str, batch_size: int) -> dict[str,
         kv_cache_memory=args.kv_cache_memory,
         speculative_config=_spec_config(args, method),
     )
-    prompts = [
-        {"prompt_token_ids": p}
-        for p in _prompts(llm.get_tokenizer(), batch_size, args.prompt_tokens)
-    ]
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    tokenizer = llm.get_tokenizer()
+    if args.prompts == "copy":  # for models from pagedllm.testing.copy_model
+        from pagedllm.testing.copy_model import copy_prompts
+
+        ids = copy_prompts(tokenizer, batch_size, args.prompt_tokens, args.copy_alphabet)
+    else:
+        ids = _prompts(tokenizer, batch_size, args.prompt_tokens)
+    prompts = [{"prompt_token_ids": p} for p in ids]
+    params = SamplingParams(
+        temperature=args.temperature,
+        seed=0 if args.temperature > 0 else None,
+        max_tokens=args.max_tokens,
+        ignore_eos=True,
+    )
     llm.generate(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     recorder = SpecDecodingRecorder()
     llm.llm_engine.stat_loggers.append(recorder)
@@ -137,6 +146,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 30)
+    parser.add_argument(
+        "--prompts",
+        choices=["text", "copy"],
+        default="text",
+        help="text: a sentence repeated; copy: a token pattern repeated, from the alphabet "
+        "a pagedllm.testing.copy_model checkpoint was trained on",
+    )
+    parser.add_argument("--copy-alphabet", type=int, default=64)
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="0: greedy; > 0: seeded sampling"
+    )
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args(argv)
     os.environ.setdefault("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")

@@ -1,0 +1,136 @@
+"""A demo checkpoint trained to continue repeating text: a workload where speculative decoding
+can help (n-gram drafts come true, a small trained draft model agrees with the target).
+
+Usage: python -m pagedllm.testing.copy_model DIR [--preset tiny] [--steps 1500] [overrides]
+
+`make_demo_model` writes a random checkpoint; this then trains it with transformers (fp32,
+AdamW) on sequences that repeat a random pattern of 3-24 tokens, which teaches the model to
+copy from its context (induction heads form after ~1,000 steps), and saves it again. Patterns
+draw from an alphabet of the first `alphabet` ordinary (non-special) token ids: a small one
+makes the copying easy to learn; `copy_prompts` builds prompts from the same alphabet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+import torch
+
+from pagedllm.testing.demo_model import make_demo_model
+
+
+def periodic_batch(
+    token_ids: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator
+) -> torch.Tensor:
+    """[batch_size, seq_len] rows, each a random pattern of 3-24 tokens from `token_ids`
+    repeated to `seq_len`."""
+    rows = []
+    for _ in range(batch_size):
+        period = int(torch.randint(3, 25, (1,), generator=generator))
+        picks = torch.randint(len(token_ids), (period,), generator=generator)
+        rows.append(token_ids[picks].repeat(-(-seq_len // period))[:seq_len])
+    return torch.stack(rows)
+
+
+def copy_alphabet(tokenizer: Any, size: int) -> torch.Tensor:
+    """The first `size` token ids that are not special tokens."""
+    special = set(tokenizer.all_special_ids) | {
+        i for i, t in tokenizer.added_tokens_decoder.items() if t.special
+    }
+    ids = [i for i in range(len(tokenizer)) if i not in special][:size]
+    return torch.tensor(ids)
+
+
+def copy_prompts(
+    tokenizer: Any, num_prompts: int, prompt_len: int, alphabet: int = 64, seed: int = 0
+) -> list[list[int]]:
+    """Prompts a copy model continues: each repeats a random pattern from its alphabet."""
+    generator = torch.Generator().manual_seed(seed)
+    batch = periodic_batch(copy_alphabet(tokenizer, alphabet), num_prompts, prompt_len, generator)
+    return batch.tolist()
+
+
+def train_copy_model(
+    path: str | os.PathLike,
+    *,
+    steps: int = 1500,
+    alphabet: int = 64,
+    batch_size: int = 16,
+    seq_len: int = 128,
+    lr: float = 3e-3,
+    seed: int = 0,
+    dtype: str = "float32",
+    **demo_model_kwargs: Any,
+) -> tuple[str, float]:
+    """Make a demo checkpoint at `path` (`make_demo_model` arguments), train it to copy, save
+    it in `dtype`; returns (path, loss in nats/token on fresh sequences where copying is
+    possible: after the longest period)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = make_demo_model(path, seed=seed, dtype="float32", **demo_model_kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tokens = copy_alphabet(tokenizer, alphabet)
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    for _ in range(steps):
+        batch = periodic_batch(tokens, batch_size, seq_len, generator)
+        loss = model(input_ids=batch, labels=batch).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    with torch.no_grad():
+        batch = periodic_batch(tokens, batch_size, seq_len, generator)
+        logits = model(input_ids=batch).logits[:, 24:-1]
+        final = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), batch[:, 25:].reshape(-1)
+        ).item()
+    model.to(getattr(torch, dtype)).save_pretrained(path)
+    return path, final
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("path")
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--alphabet", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--vocab-size", type=int, default=None)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hidden-size", type=int, default=None)
+    parser.add_argument("--num-hidden-layers", type=int, default=None)
+    parser.add_argument("--intermediate-size", type=int, default=None)
+    args = parser.parse_args(argv)
+    overrides = {
+        k: v
+        for k, v in (
+            ("hidden_size", args.hidden_size),
+            ("num_hidden_layers", args.num_hidden_layers),
+            ("intermediate_size", args.intermediate_size),
+            ("vocab_size", args.vocab_size),
+        )
+        if v is not None
+    }
+    path, loss = train_copy_model(
+        args.path,
+        preset=args.preset,
+        steps=args.steps,
+        alphabet=args.alphabet,
+        lr=args.lr,
+        dtype=args.dtype,
+        seed=args.seed,
+        **overrides,
+    )
+    print(f"{path}: copy loss {loss:.3f} nats/token after {args.steps} steps")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
