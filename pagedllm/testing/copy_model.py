@@ -1,7 +1,7 @@
 """A demo checkpoint trained to continue repeating text: a workload where speculative decoding
 can help (n-gram drafts come true, a small trained draft model agrees with the target).
 
-Usage: python -m pagedllm.testing.copy_model DIR [--preset tiny] [--steps 1500] [overrides]
+Usage: python -m pagedllm.testing.copy_model DIR [make-demo-model options] [--steps 1500]
 
 `make_demo_model` writes a random checkpoint; this then trains it with transformers (fp32,
 AdamW) on sequences that repeat a random pattern of 3-24 tokens, which teaches the model to
@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from pagedllm.testing.demo_model import make_demo_model
+from pagedllm.testing.demo_model import add_cli_args, make_demo_model, parse_overrides
 
 
 def periodic_batch(
@@ -62,6 +63,7 @@ def train_copy_model(
     lr: float = 3e-3,
     seed: int = 0,
     dtype: str = "float32",
+    max_shard_size: int | str | None = None,
     **demo_model_kwargs: Any,
 ) -> tuple[str, float]:
     """Make a demo checkpoint at `path` (`make_demo_model` arguments), train it to copy, save
@@ -90,43 +92,31 @@ def train_copy_model(
         final = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), batch[:, 25:].reshape(-1)
         ).item()
-    model.to(getattr(torch, dtype)).save_pretrained(path)
+    shards = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    for old in Path(path).glob("model*.safetensors*"):  # the random weights
+        old.unlink()
+    model.to(getattr(torch, dtype)).save_pretrained(path, **shards)
     return path, final
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("path")
-    parser.add_argument("--preset", default="tiny")
+    parser = add_cli_args(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
+    parser.set_defaults(preset="tiny")
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--alphabet", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--vocab-size", type=int, default=None)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hidden-size", type=int, default=None)
-    parser.add_argument("--num-hidden-layers", type=int, default=None)
-    parser.add_argument("--intermediate-size", type=int, default=None)
     args = parser.parse_args(argv)
-    overrides = {
-        k: v
-        for k, v in (
-            ("hidden_size", args.hidden_size),
-            ("num_hidden_layers", args.num_hidden_layers),
-            ("intermediate_size", args.intermediate_size),
-            ("vocab_size", args.vocab_size),
-        )
-        if v is not None
-    }
     path, loss = train_copy_model(
         args.path,
-        preset=args.preset,
         steps=args.steps,
         alphabet=args.alphabet,
         lr=args.lr,
-        dtype=args.dtype,
         seed=args.seed,
-        **overrides,
+        dtype=args.dtype,
+        architecture=args.architecture,
+        preset=args.preset,
+        max_shard_size=args.max_shard_size,
+        **parse_overrides(args.override),
     )
     print(f"{path}: copy loss {loss:.3f} nats/token after {args.steps} steps")
     return 0

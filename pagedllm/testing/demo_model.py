@@ -340,7 +340,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _parse_overrides(items: list[str]) -> dict[str, Any]:
+def parse_overrides(items: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -362,7 +362,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         seed=args.seed,
         dtype=args.dtype,
         max_shard_size=args.max_shard_size,
-        **_parse_overrides(args.override),
+        **parse_overrides(args.override),
     )
     print(f"wrote {args.architecture} ({args.preset}) checkpoint to {path}")
     return 0
