@@ -1,10 +1,13 @@
-"""Logits-processing ops used by the `Sampler`: small stateless functions over a batch.
+"""Logits-processing and sampling ops used by the `Sampler`: small stateless functions over a
+batch.
 
-Every op takes float32 `logits [B, V]` (one row per request that samples) plus per-row
+Every logits op takes float32 `logits [B, V]` (one row per request that samples) plus per-row
 parameters as tensors and returns the processed logits, working in place where it can (the
 sampler owns its copy), so callers must use the returned tensor. Masked tokens are set to
-`-inf`. No op reads a tensor back to the host, so a step never waits on the device here; the
-one exception, `apply_top_k_top_p_partial`, is used on the CPU only, where that costs nothing.
+`-inf`. The draws (`random_sample`, `random_sample_top_p`) and `argmax` return token ids. No op
+reads a tensor back to the host, so a step never waits on the device here; the exceptions,
+`apply_top_k_top_p_partial` and `random_sample_top_p`, are used on the CPU only, where that
+costs nothing. Nothing here sorts a whole row on the CPU path.
 """
 
 from __future__ import annotations
@@ -201,9 +204,10 @@ def random_sample(weights: torch.Tensor, generators: dict[int, torch.Generator])
     Inverse CDF: with c = cumsum(w) and u ~ Uniform[0, c_V), the first token whose c_i > u is
     token i with probability w_i / sum(w); a masked token (w_i = 0) has an empty interval and is
     never drawn. One uniform per row instead of one per token (the exponential race): about 12x
-    cheaper on the CPU at a 32k vocabulary; the cumsum is two-level (`_inverse_cdf_draw`). Rows in `generators` (row -> torch.Generator) draw
-    their uniform from it, so a seeded request's tokens do not depend on which other rows share
-    the batch; the other rows use the global RNG.
+    cheaper on the CPU at a 32k vocabulary; the cumsum is two-level (`_inverse_cdf_draw`). Rows
+    in `generators` (row -> torch.Generator) draw their uniform from it, so a seeded request's
+    tokens do not depend on which other rows share the batch; the other rows use the global
+    RNG.
     """
     return _inverse_cdf_draw(weights, generators)[0]
 
