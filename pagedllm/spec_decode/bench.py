@@ -9,7 +9,8 @@ English sentence repeated (a different sentence per request): text where prompt
 lookup has something to copy. `draft_model` defaults to the target itself (every draft is
 accepted: the upper bound of acceptance, at the full cost of the target per draft token);
 EAGLE and Medusa heads are random (built for the target under --work-dir) unless given, so
-their numbers show the overhead at near-zero acceptance. The engine core runs in-process.
+their numbers show the overhead at near-zero acceptance; `pagedllm.spec_decode.train_heads`
+trains real ones for a copy model (`--prompts copy`). The engine core runs in-process.
 """
 
 from __future__ import annotations

@@ -20,11 +20,36 @@ def _target_config(target_dir: str) -> dict[str, Any]:
         return json.load(f)
 
 
+def eagle_config(target_dir: str, architecture: str = "EagleLlamaForCausalLM") -> dict[str, Any]:
+    """An EAGLE head's config.json: the target's, with one layer and `architecture`."""
+    config = _target_config(target_dir)
+    config.update(num_hidden_layers=1, architectures=[architecture])
+    return config
+
+
+def medusa_config(target_dir: str, num_heads: int, num_layers: int) -> dict[str, Any]:
+    """config.json of vLLM's `MedusaModel` layout (own LM heads, biased residual blocks)."""
+    target = _target_config(target_dir)
+    hidden, vocab = target["hidden_size"], target["vocab_size"]
+    return {
+        "architectures": ["MedusaModel"],
+        "model_type": "medusa",
+        "hidden_size": hidden,
+        "vocab_size": vocab,
+        "num_heads": num_heads,
+        "num_hidden_layers": num_layers,
+        "medusa_fc_bias": True,
+        "truncated_vocab_size": vocab,
+        "original_lm_head": False,
+    }
+
+
 def _linear(gen: torch.Generator, out_features: int, in_features: int) -> torch.Tensor:
     return torch.randn(out_features, in_features, generator=gen) / math.sqrt(in_features)
 
 
-def _save(path: str, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> str:
+def save_head(path: str, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> str:
+    """Write `config` as config.json and `tensors` as model.safetensors under `path`."""
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
@@ -49,8 +74,7 @@ def make_eagle_head(
     config.json (the target's, with num_hidden_layers 1 and `architecture`) and the tensors
     `fc.weight` [H, 2H] (+ `fc.bias`), `layers.0.*` without an input norm, and optionally its
     own `embed_tokens.weight`. Returns the directory."""
-    config = _target_config(target_dir)
-    config.update(num_hidden_layers=1, architectures=[architecture])
+    config = eagle_config(target_dir, architecture)
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
@@ -75,7 +99,7 @@ def make_eagle_head(
         t[layer + "self_attn.o_proj.bias"] = torch.zeros(hidden)
     if with_embed:
         t["embed_tokens.weight"] = torch.randn(config["vocab_size"], hidden, generator=gen)
-    return _save(os.fspath(path), config, t)
+    return save_head(os.fspath(path), config, t)
 
 
 def make_medusa_heads(
@@ -108,17 +132,7 @@ def make_medusa_heads(
         head = torch.randn(vocab, hidden, generator=gen) * head_std
         t[f"lm_heads.{i}.weight" if layout == "vllm" else f"{i}.{num_layers}.weight"] = head
     if layout == "vllm":
-        config = {
-            "architectures": ["MedusaModel"],
-            "model_type": "medusa",
-            "hidden_size": hidden,
-            "vocab_size": vocab,
-            "num_heads": num_heads,
-            "num_hidden_layers": num_layers,
-            "medusa_fc_bias": True,
-            "truncated_vocab_size": vocab,
-            "original_lm_head": False,
-        }
+        config = medusa_config(target_dir, num_heads, num_layers)
     else:
         config = {
             "architectures": ["MedusaModel"],
@@ -127,4 +141,4 @@ def make_medusa_heads(
             "medusa_num_heads": num_heads,
             "medusa_num_layers": num_layers,
         }
-    return _save(os.fspath(path), config, t)
+    return save_head(os.fspath(path), config, t)

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pagedllm.testing.demo_model import add_cli_args, make_demo_model, parse_overrides
+
+MAX_PERIOD = 24  # from this position on, every row of a periodic batch can be copied
 
 
 def periodic_batch(
@@ -29,7 +32,7 @@ def periodic_batch(
     repeated to `seq_len`."""
     rows = []
     for _ in range(batch_size):
-        period = int(torch.randint(3, 25, (1,), generator=generator))
+        period = int(torch.randint(3, MAX_PERIOD + 1, (1,), generator=generator))
         picks = torch.randint(len(token_ids), (period,), generator=generator)
         rows.append(token_ids[picks].repeat(-(-seq_len // period))[:seq_len])
     return torch.stack(rows)
@@ -51,6 +54,27 @@ def copy_prompts(
     generator = torch.Generator().manual_seed(seed)
     batch = periodic_batch(copy_alphabet(tokenizer, alphabet), num_prompts, prompt_len, generator)
     return batch.tolist()
+
+
+def train_periodic(
+    loss_fn: Callable[[torch.Tensor], torch.Tensor],
+    parameters: Iterable[torch.nn.Parameter],
+    token_ids: torch.Tensor,
+    generator: torch.Generator,
+    *,
+    steps: int,
+    batch_size: int,
+    seq_len: int,
+    lr: float,
+) -> None:
+    """`steps` AdamW steps (no weight decay) on `loss_fn(batch)`, each on a fresh
+    `periodic_batch` of `token_ids`."""
+    optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=0.0)
+    for _ in range(steps):
+        loss = loss_fn(periodic_batch(token_ids, batch_size, seq_len, generator))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
 
 
 def train_copy_model(
@@ -77,20 +101,23 @@ def train_copy_model(
     tokens = copy_alphabet(tokenizer, alphabet)
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
-    for _ in range(steps):
-        batch = periodic_batch(tokens, batch_size, seq_len, generator)
-        loss = model(input_ids=batch, labels=batch).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+    train_periodic(
+        lambda batch: model(input_ids=batch, labels=batch).loss,
+        model.parameters(),
+        tokens,
+        generator,
+        steps=steps,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        lr=lr,
+    )
     model.eval()
     with torch.no_grad():
         batch = periodic_batch(tokens, batch_size, seq_len, generator)
-        logits = model(input_ids=batch).logits[:, 24:-1]
+        logits = model(input_ids=batch).logits[:, MAX_PERIOD:-1]
         final = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), batch[:, 25:].reshape(-1)
+            logits.reshape(-1, logits.shape[-1]), batch[:, MAX_PERIOD + 1 :].reshape(-1)
         ).item()
     shards = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     for old in Path(path).glob("model*.safetensors*"):  # the random weights
