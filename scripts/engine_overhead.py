@@ -23,12 +23,12 @@ MODEL_STAGES = ("model forward", "LM head")
 
 
 def main() -> None:
-    from pagedllm.engine.core_client import _ENGINE_GLIBC_TUNABLES
+    from pagedllm.engine.core_client import ENGINE_GLIBC_TUNABLES
 
     if "GLIBC_TUNABLES" not in os.environ:
         # The engine runs in this process here: give it the malloc settings a spawned engine
         # process gets (they are read at process start, hence the re-exec).
-        env = dict(os.environ, GLIBC_TUNABLES=_ENGINE_GLIBC_TUNABLES)
+        env = dict(os.environ, GLIBC_TUNABLES=ENGINE_GLIBC_TUNABLES)
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
     os.environ["PAGEDLLM_ENABLE_MULTIPROCESSING"] = "0"
     from pagedllm import LLM, SamplingParams

@@ -141,7 +141,7 @@ def _split_by_length(
 
 def _rows(rows: np.ndarray, device: torch.device) -> torch.Tensor | slice:
     """An index tensor for `rows` (int64), or the equivalent slice when they are consecutive."""
-    if len(rows) and rows[-1] - rows[0] == len(rows) - 1 and (np.diff(rows) == 1).all():
+    if len(rows) and (np.diff(rows) == 1).all():
         return slice(int(rows[0]), int(rows[0]) + len(rows))
     return torch.from_numpy(rows).to(device)
 

@@ -166,7 +166,7 @@ def _main_module_hidden(engine_core_cls: type | None) -> Iterator[None]:
 # never trim it, so the model's large per-layer temporaries are reused instead of being mmap'd,
 # page-faulted and unmapped again on every layer (3x fewer page faults on CPU prefill; see
 # BENCHMARKS.md). A user's own GLIBC_TUNABLES wins.
-_ENGINE_GLIBC_TUNABLES = (
+ENGINE_GLIBC_TUNABLES = (
     "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=17179869184"
 )
 
@@ -177,7 +177,7 @@ def _engine_process_env() -> Iterator[None]:
     if "GLIBC_TUNABLES" in os.environ:
         yield
         return
-    os.environ["GLIBC_TUNABLES"] = _ENGINE_GLIBC_TUNABLES
+    os.environ["GLIBC_TUNABLES"] = ENGINE_GLIBC_TUNABLES
     try:
         yield
     finally:

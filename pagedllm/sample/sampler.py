@@ -97,15 +97,10 @@ class Sampler(nn.Module):
         logits = ops.apply_temperature(logits, metadata.temperature, in_place=in_place)
         if metadata.min_p is not None:
             logits = ops.apply_min_p(logits, metadata.min_p)
-        # On the CPU top-p is folded into the draw (no sort); elsewhere it masks the logits.
+        # On the CPU top-p is part of the draw (no sort); elsewhere it masks the logits.
         top_p_in_draw = metadata.top_p is not None and logits.device.type == "cpu"
-        if top_p_in_draw:
-            if metadata.top_k is not None:
-                logits = ops.apply_top_k(logits, metadata.top_k, metadata.max_top_k)
-        else:
-            logits = ops.apply_top_k_top_p(
-                logits, metadata.top_k, metadata.top_p, metadata.max_top_k
-            )
+        mask_top_p = None if top_p_in_draw else metadata.top_p
+        logits = ops.apply_top_k_top_p(logits, metadata.top_k, mask_top_p, metadata.max_top_k)
         # Unnormalized probabilities are enough for the draw; computed in place.
         weights = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()  # [B, V]
         if top_p_in_draw:

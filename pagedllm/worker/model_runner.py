@@ -12,7 +12,6 @@ runs; it only executes what the scheduler chose.
 from __future__ import annotations
 
 import itertools
-
 import logging
 from dataclasses import dataclass, field
 
