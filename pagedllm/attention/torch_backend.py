@@ -179,7 +179,7 @@ class TorchAttentionBackend(AttentionBackend):
         query_lens = np.diff(qsl)
         decodes = np.flatnonzero(query_lens == 1)
         shorts = np.flatnonzero((query_lens > 1) & (query_lens <= self.max_batched_query_len))
-        for r in np.flatnonzero(query_lens > max(self.max_batched_query_len, 1)).tolist():
+        for r in np.flatnonzero(query_lens > self.max_batched_query_len).tolist():
             meta.prefills.append(self._build_prefill(common, r))
         bs = common.block_size
         for reqs in (decodes, shorts):
@@ -272,9 +272,7 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         num_tokens, num_heads, head_size = query.shape
-        num_kv_heads = key.shape[1]
-        if num_heads % num_kv_heads != 0:
-            raise ValueError(f"num_heads={num_heads} is not a multiple of {num_kv_heads=}")
+        num_kv_heads = key.shape[1]  # divides num_heads (checked by `Attention`)
         n = metadata.num_actual_tokens
         row = num_kv_heads * head_size
         key_cache = kv_cache[0].view(-1, row)  # [num_slots, Hkv * D]

@@ -235,9 +235,6 @@ class QKVParallelLinear(ColumnParallelLinear):
         dst = param.data.narrow(0, offset, size)
         _checked_copy(dst, loaded_weight.narrow(0, shard_rank * size, size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._linear(x, self.bias)  # [T, q_size + 2 * kv_size]
-
 
 class RowParallelLinear(LinearBase):
     """y = x W^T + b with W split along its input columns: rank r holds columns

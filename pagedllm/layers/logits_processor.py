@@ -13,19 +13,15 @@ from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
 class LogitsProcessor(nn.Module):
     """Projects hidden states with an LM head (a `ParallelLMHead`, or the embedding when tied),
     gathers the vocabulary slices of all tensor-parallel ranks, trims the padding rows and
-    returns float32 logits, optionally multiplied by `scale`."""
+    returns float32 logits."""
 
-    def __init__(self, vocab_size: int, scale: float = 1.0) -> None:
+    def __init__(self, vocab_size: int) -> None:
         super().__init__()
         self.vocab_size = vocab_size
-        self.scale = scale
 
     def forward(self, lm_head: VocabParallelEmbedding, hidden_states: torch.Tensor) -> torch.Tensor:
         # hidden_states [N, hidden] -> local logits [N, V_p] -> gathered [N, V_p * tp]
         bias = getattr(lm_head, "bias", None)
         logits = packed_linear(lm_head, hidden_states, bias)
         logits = tp_all_gather(logits, dim=-1)[:, : self.vocab_size]
-        logits = logits.float()
-        if self.scale != 1.0:
-            logits = logits * self.scale
-        return logits  # [N, vocab_size] float32
+        return logits.float()  # [N, vocab_size] float32

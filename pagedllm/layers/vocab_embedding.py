@@ -50,6 +50,10 @@ class VocabParallelEmbedding(nn.Module):
                 f"{self.prefix}: checkpoint tensor of shape {tuple(loaded_weight.shape)} does not "
                 f"match vocab_size x hidden = ({self.num_embeddings}, {self.embedding_dim})"
             )
+        self._copy_vocab_rows(param, loaded_weight)
+
+    def _copy_vocab_rows(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        """This rank's vocabulary rows of a full-vocabulary tensor; padding rows zeroed."""
         rows = self.vocab_end - self.vocab_start
         param.data[:rows].copy_(loaded_weight[self.vocab_start : self.vocab_end])
         param.data[rows:].zero_()
@@ -91,23 +95,14 @@ class ParallelLMHead(VocabParallelEmbedding):
                 torch.empty(self.num_embeddings_per_partition, dtype=self.weight.dtype),
                 requires_grad=False,
             )
-            set_weight_loader(self.bias, self._bias_loader)
+            set_weight_loader(self.bias, lambda p, w, shard_id=None: self._copy_vocab_rows(p, w))
         else:
             self.register_parameter("bias", None)
-
-    def _bias_loader(self, param, loaded_weight, shard_id=None) -> None:
-        rows = self.vocab_end - self.vocab_start
-        param.data[:rows].copy_(loaded_weight[self.vocab_start : self.vocab_end])
-        param.data[rows:].zero_()
 
     def process_weights_after_loading(self) -> None:
         """Called once by the loader. An untied head is only ever multiplied, so its weight
         may be packed for the CPU GEMM; a tied one is the embedding table and never is."""
         pack_linear_weight_(self)
-
-    def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> VocabParallelEmbedding:
-        """Return the module to use as LM head when input and output embeddings are tied."""
-        return embed_tokens
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead is applied through LogitsProcessor, not called")

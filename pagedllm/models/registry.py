@@ -23,10 +23,6 @@ class ModelRegistry:
         return sorted(_MODELS)
 
     @staticmethod
-    def is_supported(architecture: str) -> bool:
-        return architecture in _MODELS
-
-    @staticmethod
     def load_model_cls(architecture: str) -> type[nn.Module]:
         if architecture not in _MODELS:
             raise ValueError(

@@ -71,7 +71,6 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.config = config
         self.device = device
-        self.model_config = config.model_config
         self.block_size = config.cache_config.block_size
         self.dtype = config.model_config.dtype
         self.requests: dict[str, CachedRequestState] = {}
@@ -302,7 +301,9 @@ class ModelRunner:
         seq_lens = (start + num_sched).astype(np.int32)
 
         dev = self.device
-        common = CommonAttentionMetadata.from_numpy(cu, seq_lens, block_table, slot_mapping, bs, dev)
+        common = CommonAttentionMetadata.from_numpy(
+            cu, seq_lens, block_table, slot_mapping, bs, dev
+        )
         attn_meta = self.attn_backend.build_metadata(common)
         return (
             attn_meta,
@@ -313,13 +314,12 @@ class ModelRunner:
     def _sample(
         self, logits: torch.Tensor, states: list[CachedRequestState]
     ) -> tuple[list[int], list[LogprobsLists | None] | None]:
-        params = [s.sampling_params for s in states]
         metadata = self._sampling_metadata(states, logits.shape[-1])
         out = self.sampler(logits, metadata, overwrite=True)  # the logits are ours to spend
         token_ids = out.sampled_token_ids.tolist()
         row_logprobs = None
         if out.logprobs is not None:
-            row_logprobs = out.logprobs.to_lists([p.logprobs for p in params])
+            row_logprobs = out.logprobs.to_lists(metadata.num_logprobs)
         return token_ids, row_logprobs
 
     def _sampling_metadata(
