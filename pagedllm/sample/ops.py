@@ -254,6 +254,19 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return (first + values.argmax(dim=-1, keepdim=True)).squeeze_(1)
 
 
+def uniform(
+    num_rows: int, generators: dict[int, torch.Generator], device: torch.device | str
+) -> torch.Tensor:
+    """U[0, 1) float32 per row [num_rows]; rows in `generators` draw from their own generator
+    (one number each), the others from the global RNG."""
+    u = torch.empty(num_rows, dtype=torch.float32, device=device)
+    if len(generators) < num_rows:
+        u.uniform_()
+    for row, generator in generators.items():
+        u[row : row + 1].uniform_(generator=generator)
+    return u
+
+
 def _search_cdf(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Index [B, 1] of the first entry of each row of `cdf [B, K]` that exceeds `u [B, 1]`,
     capped at the row's last entry with weight (where the cdf first reaches its total): float
@@ -271,15 +284,9 @@ def _inverse_cdf_draw(
     the cumsum of the chunk sums, then a token inside that chunk by the cumsum of its weights.
     `two_level=False`: one whole-row cumsum, fewer ops for a handful of rows.
     """
-    num_rows = weights.shape[0]
     cdf = _chunk_reduce(weights, "sum").cumsum(dim=-1) if two_level else weights.cumsum(dim=-1)
     total = cdf[:, -1:].contiguous()  # [B, 1]
-    u = torch.empty(num_rows, 1, dtype=total.dtype, device=total.device)  # [B, 1]
-    if len(generators) < num_rows:
-        u.uniform_()
-    for row, generator in generators.items():
-        u[row].uniform_(generator=generator)
-    u.mul_(total)
+    u = uniform(weights.shape[0], generators, weights.device)[:, None].mul_(total)  # [B, 1]
     picked = _search_cdf(cdf, u)  # [B, 1]: the token, or with two levels its chunk
     if not two_level:
         return picked.squeeze_(1), total

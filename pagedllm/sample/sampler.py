@@ -49,7 +49,7 @@ class Sampler(nn.Module):
         # The ops work in place on the sampler's own copy; an fp32 input has to be copied
         # first, unless nothing writes to it before temperature (which can copy as it goes).
         owned = overwrite or processed is not logits
-        if not owned and _has_logits_processors(metadata):
+        if not owned and has_logits_processors(metadata):
             processed, owned = processed.clone(), True
         processed = self.apply_logits_processors(processed, metadata)
         sampled = self.sample(processed, metadata, in_place=owned)
@@ -112,7 +112,7 @@ class Sampler(nn.Module):
         return torch.where(metadata.temperature == 0.0, greedy, sampled)
 
 
-def _has_logits_processors(metadata: SamplingMetadata) -> bool:
+def has_logits_processors(metadata: SamplingMetadata) -> bool:
     """Whether any op before sampling writes to the logits."""
     return not (
         metadata.no_penalties

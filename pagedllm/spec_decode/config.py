@@ -119,11 +119,6 @@ class SpeculativeConfig:
             )
         self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
 
-    @property
-    def uses_draft_kv_cache(self) -> bool:
-        """Whether the proposer keeps its own paged KV cache (draft model, EAGLE)."""
-        return self.method in ("draft_model", "eagle")
-
 
 def get_speculative_config(config: EngineConfig) -> SpeculativeConfig | None:
     """The engine's `SpeculativeConfig`, or None when speculative decoding is off. A plain dict
@@ -199,7 +194,7 @@ def _draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelCo
                 "target's hidden states"
             )
     if spec.method == "medusa":
-        num_heads = _medusa_num_heads(hf_config)
+        num_heads = medusa_num_heads(hf_config)
         if spec.num_speculative_tokens > num_heads:
             raise ValueError(
                 f"speculative_config.num_speculative_tokens={spec.num_speculative_tokens} "
@@ -208,5 +203,6 @@ def _draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelCo
     return draft
 
 
-def _medusa_num_heads(hf_config: Any) -> int:
+def medusa_num_heads(hf_config: Any) -> int:
+    """The number of heads a Medusa checkpoint's config declares."""
     return int(getattr(hf_config, "medusa_num_heads", None) or getattr(hf_config, "num_heads", 0))

@@ -29,6 +29,8 @@ import torch
 from torch import nn
 
 from pagedllm.layers.linear import ReplicatedLinear
+from pagedllm.sample import ops
+from pagedllm.spec_decode.config import medusa_num_heads
 from pagedllm.spec_decode.proposer import (
     DraftBatch,
     Proposal,
@@ -123,7 +125,7 @@ class MedusaProposer(Proposer):
     def load_model(self, target_model: nn.Module) -> None:
         self.target = target_model
         hf = self.spec.draft_model_config.hf_config
-        num_heads = int(getattr(hf, "medusa_num_heads", None) or getattr(hf, "num_heads", 0))
+        num_heads = medusa_num_heads(hf)
         num_layers = int(
             getattr(hf, "medusa_num_layers", None) or getattr(hf, "num_hidden_layers", None) or 1
         )
@@ -159,9 +161,7 @@ class MedusaProposer(Proposer):
         features = self.model(hidden.to(self.dtype), self.k)
         heads = self.model.lm_heads
         tokens = [
-            (heads[i](f).float() if heads is not None else self.target.compute_logits(f)).argmax(
-                dim=-1
-            )
+            ops.argmax(heads[i](f).float() if heads is not None else self.target.compute_logits(f))
             for i, f in enumerate(features)
         ]
         drafts = torch.stack(tokens, dim=1).tolist()  # [S, k]

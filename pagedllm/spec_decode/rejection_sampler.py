@@ -32,7 +32,7 @@ from torch import nn
 from pagedllm.sample import ops
 from pagedllm.sample.logprobs import LogprobsTensors, gather_logprobs
 from pagedllm.sample.metadata import SamplingMetadata
-from pagedllm.sample.sampler import Sampler
+from pagedllm.sample.sampler import Sampler, has_logits_processors
 
 PLACEHOLDER_TOKEN_ID = -1
 
@@ -82,12 +82,7 @@ class RejectionSampler(nn.Module):
             raw_logprobs = torch.log_softmax(processed, dim=-1)
         # The processing below works in place; greedy rows without logits processors only
         # take an argmax and can read the caller's tensor.
-        writes = not metadata.all_greedy or not (
-            metadata.no_penalties
-            and metadata.allowed_token_ids is None
-            and metadata.banned_token_ids is None
-            and metadata.logit_bias is None
-        )
+        writes = not metadata.all_greedy or has_logits_processors(metadata)
         if processed is logits and writes:
             processed = processed.clone()
         processed = Sampler.apply_logits_processors(processed, metadata)
@@ -142,7 +137,7 @@ class RejectionSampler(nn.Module):
         # p == q): sampling it would pick an arbitrary token; accept instead.
         empty = residual.sum(dim=-1) <= 0
 
-        uniform = _uniform(p_draft.shape[0], metadata.generators, processed.device)  # [T]
+        uniform = ops.uniform(p_draft.shape[0], metadata.generators, processed.device)  # [T]
         accept = is_draft_row & ((uniform * q_draft < p_draft) | empty)
         recovered = ops.random_sample(residual, metadata.generators)  # [T]
         emitted = torch.where(accept, drafts, recovered)
@@ -164,15 +159,3 @@ def target_probs(processed: torch.Tensor, metadata: SamplingMetadata) -> torch.T
         logits = ops.apply_min_p(logits, metadata.min_p)
     logits = ops.apply_top_k_top_p(logits, metadata.top_k, metadata.top_p, metadata.max_top_k)
     return torch.softmax(logits, dim=-1)
-
-
-def _uniform(
-    num_rows: int, generators: dict[int, torch.Generator], device: torch.device
-) -> torch.Tensor:
-    """U[0, 1) per row; seeded rows draw from their own generator (in row order)."""
-    u = torch.empty(num_rows, dtype=torch.float32, device=device)
-    if len(generators) < num_rows:
-        u.uniform_()
-    for row, generator in generators.items():
-        u[row : row + 1].uniform_(generator=generator)
-    return u

@@ -212,7 +212,6 @@ class XgrammarBackend:
     ) -> None:
         import xgrammar as xgr
 
-        self.vocab_size = vocab_size
         self.tokenizer_info = build_tokenizer_info(tokenizer, vocab_size, stop_token_ids)
         # The manager keeps its own bounded cache; xgrammar's is unbounded by default.
         self.compiler = xgr.GrammarCompiler(

@@ -75,7 +75,6 @@ class StructuredOutputManager:
         self._executor: ThreadPoolExecutor | None = None
         self._compiled: OrderedDict[tuple, Future] = OrderedDict()
         self._requests: dict[str, _RequestGrammar] = {}
-        self._bitmask_buffer: torch.Tensor | None = None  # int32 [rows, words], grown on demand
 
     # ---- backend -----------------------------------------------------------------------------
 
@@ -176,7 +175,7 @@ class StructuredOutputManager:
             num_rows += 1 + len(spec.get(req_id, ()))
         if not rows:
             return
-        bitmask = self._bitmask(num_rows)
+        bitmask = torch.full((num_rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
         for req_id, row in rows.items():
             grammar = self._requests[req_id].grammar
             drafts = spec.get(req_id, [])
@@ -186,7 +185,7 @@ class StructuredOutputManager:
                 for r in range(row, row + 1 + len(drafts)):
                     self._fill_stop_only(bitmask, r, requests[req_id])
         output.structured_output_request_ids = rows
-        output.grammar_bitmask = bitmask[:num_rows].numpy().copy()
+        output.grammar_bitmask = bitmask.numpy()
 
     def validate_tokens(self, request_id: str, token_ids: list[int]) -> list[int]:
         """The drafts worth scheduling for a request: the longest prefix of `token_ids` its
@@ -198,14 +197,6 @@ class StructuredOutputManager:
         if state.grammar is None:
             return []
         return state.grammar.validate_tokens(token_ids)
-
-    def _bitmask(self, num_rows: int) -> torch.Tensor:
-        buffer = self._bitmask_buffer
-        if buffer is None or buffer.shape[0] < num_rows:
-            capacity = max(num_rows, self.config.scheduler_config.max_num_seqs)
-            words = (self.vocab_size + 31) // 32
-            self._bitmask_buffer = buffer = torch.full((capacity, words), -1, dtype=torch.int32)
-        return buffer
 
     def _fill_stop_only(self, bitmask: torch.Tensor, row: int, request: Request) -> None:
         """A row that allows only the request's stop tokens (for a failed grammar)."""
@@ -244,9 +235,6 @@ class StructuredOutputManager:
         return ended
 
     # ---- queries ----------------------------------------------------------------------------
-
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._requests
 
     @property
     def num_requests(self) -> int:

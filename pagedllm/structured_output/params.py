@@ -19,7 +19,7 @@ import msgspec
 
 # The constraint fields, in the order error messages name them.
 CONSTRAINT_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
-_BACKENDS = (None, "auto", "xgrammar")
+BACKENDS = (None, "auto", "xgrammar")
 
 
 class StructuredOutputsParams(
@@ -48,7 +48,7 @@ class StructuredOutputsParams(
     whitespace_pattern: str | None = None
 
     def __post_init__(self) -> None:
-        given = [f for f in CONSTRAINT_FIELDS if _is_set(getattr(self, f))]
+        given = [f for f in CONSTRAINT_FIELDS if is_set(getattr(self, f))]
         if len(given) != 1:
             what = " and ".join(given) if given else "none"
             raise ValueError(
@@ -95,7 +95,7 @@ class StructuredOutputsParams(
     @property
     def kind(self) -> str:
         """Which constraint is set: one of CONSTRAINT_FIELDS."""
-        return next(f for f in CONSTRAINT_FIELDS if _is_set(getattr(self, f)))
+        return next(f for f in CONSTRAINT_FIELDS if is_set(getattr(self, f)))
 
     @property
     def json_schema_text(self) -> str:
@@ -126,7 +126,7 @@ class GuidedDecodingParams(StructuredOutputsParams, kw_only=True):  # type: igno
     backend: str | None = None
 
     def __post_init__(self) -> None:
-        if self.backend not in _BACKENDS:
+        if self.backend not in BACKENDS:
             raise ValueError(
                 f"guided decoding backend={self.backend!r} is not available; pagedllm uses "
                 "'xgrammar'"
@@ -153,5 +153,5 @@ def as_structured_outputs_params(value: Any) -> StructuredOutputsParams | None:
     )
 
 
-def _is_set(value: Any) -> bool:
+def is_set(value: Any) -> bool:
     return value is not None and value is not False

@@ -18,7 +18,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedllm.structured_output.params import CONSTRAINT_FIELDS, StructuredOutputsParams
+from pagedllm.structured_output.params import (
+    BACKENDS,
+    CONSTRAINT_FIELDS,
+    StructuredOutputsParams,
+    as_structured_outputs_params,
+    is_set,
+)
 
 
 class JsonSchemaResponseFormat(BaseModel):
@@ -77,7 +83,7 @@ class StructuredOutputsRequestMixin(BaseModel):
             if value is not None:
                 constraints[name] = {field: value}
         options = dict(self.structured_outputs or {})
-        if any(options.get(f) not in (None, False) for f in CONSTRAINT_FIELDS):
+        if any(is_set(options.get(f)) for f in CONSTRAINT_FIELDS):
             constraints["structured_outputs"] = {}
         if self.guided_whitespace_pattern is not None:
             options["whitespace_pattern"] = self.guided_whitespace_pattern
@@ -86,7 +92,7 @@ class StructuredOutputsRequestMixin(BaseModel):
                 "a request may set only one structured-output constraint, got "
                 + " and ".join(constraints)
             )
-        if self.guided_decoding_backend not in (None, "auto", "xgrammar"):
+        if self.guided_decoding_backend not in BACKENDS:
             raise ValueError(
                 f"guided_decoding_backend={self.guided_decoding_backend!r} is not available; "
                 "pagedllm uses 'xgrammar'"
@@ -95,10 +101,4 @@ class StructuredOutputsRequestMixin(BaseModel):
             return None
         for constraint in constraints.values():
             options.update(constraint)
-        unknown = sorted(set(options) - set(StructuredOutputsParams.__struct_fields__))
-        if unknown:
-            raise ValueError(
-                f"structured_outputs has unknown fields {unknown}; allowed: "
-                f"{', '.join(StructuredOutputsParams.__struct_fields__)}"
-            )
-        return StructuredOutputsParams(**options)
+        return as_structured_outputs_params(options)
