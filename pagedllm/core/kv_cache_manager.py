@@ -170,9 +170,6 @@ class KVCacheManager:
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 
-    def get_blocks(self, request_id: str) -> KVCacheBlocks:
-        return KVCacheBlocks(list(self.req_to_blocks.get(request_id, ())))
-
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table (a fresh list)."""
         return [block.block_id for block in self.req_to_blocks.get(request_id, ())]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from typing import Any
 
 import msgspec
@@ -72,16 +71,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):  # type: ignore[call-a
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
     outputs: list[EngineCoreOutput] = []
     scheduler_stats: SchedulerStats | None = None
-    timestamp: float = 0.0
-    # Requests that finished inside the core without a token (e.g. aborted by the core).
-    finished_requests: set[str] | None = None
     # Reply to a utility call: (call id, result or None, error message or None).
     utility_output: tuple[int, Any, str | None] | None = None
-    engine_index: int = 0
-
-    def __post_init__(self) -> None:
-        if self.timestamp == 0.0:
-            self.timestamp = time.monotonic()
 
 
 class EngineCoreRequestType(bytes, enum.Enum):

@@ -71,7 +71,7 @@ class AsyncLLM:
             tokenizer = get_tokenizer(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
         self.tokenizer = tokenizer
         self.processor = Processor(config, tokenizer)
-        self.output_processor = OutputProcessor(tokenizer, log_stats=log_stats)
+        self.output_processor = OutputProcessor(tokenizer)
         self.engine_core: AsyncMPClient = EngineCoreClient.make_client(  # type: ignore[assignment]
             config, multiprocess_mode=True, asyncio_mode=True, engine_core_cls=engine_core_cls
         )
@@ -96,10 +96,6 @@ class AsyncLLM:
         """Build from `EngineArgs`; `log_stats` defaults to `not engine_args.disable_log_stats`."""
         kwargs.setdefault("log_stats", not getattr(engine_args, "disable_log_stats", False))
         return cls(engine_args.create_engine_config(), **kwargs)
-
-    @classmethod
-    def from_engine_config(cls, config: EngineConfig, **kwargs: Any) -> AsyncLLM:
-        return cls(config, **kwargs)
 
     # --------------------------------------------------------------------------- state
 
@@ -185,7 +181,7 @@ class AsyncLLM:
             while not finished:
                 out = queue.get_nowait() or await queue.get()
                 finished = out.finished
-                for c in out.outputs:
+                for c in out.outputs if self.log_requests else ():
                     n_tok = len(c.token_ids)
                     num_output_tokens[c.index] = (
                         num_output_tokens.get(c.index, 0) + n_tok if delta else n_tok
@@ -249,9 +245,7 @@ class AsyncLLM:
                 batch = outputs.outputs
                 for start in range(0, max(len(batch), 1), _OUTPUT_CHUNK_SIZE):
                     chunk = batch[start : start + _OUTPUT_CHUNK_SIZE]
-                    processed = self.output_processor.process_outputs(
-                        chunk, outputs.timestamp, stats
-                    )
+                    processed = self.output_processor.process_outputs(chunk, stats)
                     if processed.reqs_to_abort:
                         await self.engine_core.abort_requests_async(processed.reqs_to_abort)
                     if start + _OUTPUT_CHUNK_SIZE < len(batch):
@@ -265,10 +259,7 @@ class AsyncLLM:
             if not isinstance(e, EngineDeadError):
                 logger.exception("AsyncLLM output handler failed")
             self._error = error
-            self._propagate_error(error)
-
-    def _propagate_error(self, error: Exception) -> None:
-        self.output_processor.propagate_error(error)
+            self.output_processor.propagate_error(error)
 
     async def _run_stats_logging(self) -> None:
         while True:

@@ -56,8 +56,6 @@ class EngineCore:
         return num_blocks
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        if request.request_id in self.scheduler.requests:
-            raise ValueError(f"request_id={request.request_id!r} is already running")
         self.scheduler.add_request(Request.from_engine_core_request(request))
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -75,9 +73,6 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
-
-    def get_num_blocks(self) -> int:
-        return self.num_blocks
 
     def shutdown(self) -> None:
         self.structured_output_manager.shutdown()

@@ -324,6 +324,10 @@ class MPClient(EngineCoreClient):
 
     # ----------------------------------------------------------------------------- sending
 
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and self._dead_error is None:
+            self._send(EngineCoreRequestType.ABORT, list(request_ids))
+
     def _send(self, request_type: EngineCoreRequestType, payload: Any = None) -> None:
         if self._dead_error is not None:
             raise self._dead_error
@@ -473,10 +477,6 @@ class SyncMPClient(MPClient):
     def add_request(self, request: EngineCoreRequest) -> None:
         self._send(EngineCoreRequestType.ADD, request)
 
-    def abort_requests(self, request_ids: list[str]) -> None:
-        if request_ids and self._dead_error is None:
-            self._send(EngineCoreRequestType.ABORT, list(request_ids))
-
     def call_utility(self, method: str, *args: Any) -> Any:
         return self._start_utility_call(method, args).result()
 
@@ -522,12 +522,10 @@ class AsyncMPClient(MPClient):
         self._send(EngineCoreRequestType.ADD, request)
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
-        self.abort_requests_nowait(request_ids)
+        self.abort_requests(request_ids)
 
-    def abort_requests_nowait(self, request_ids: list[str]) -> None:
-        """Abort without awaiting (safe where awaiting is not, e.g. on GeneratorExit)."""
-        if request_ids and self._dead_error is None:
-            self._send(EngineCoreRequestType.ABORT, list(request_ids))
+    # Abort without awaiting (safe where awaiting is not, e.g. on GeneratorExit).
+    abort_requests_nowait = MPClient.abort_requests
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         return await asyncio.wrap_future(self._start_utility_call(method, args))

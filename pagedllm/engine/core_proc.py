@@ -55,7 +55,7 @@ _POLL_INTERVAL_S = 0.2
 _ORPHAN_EXIT_GRACE_S = 5.0
 
 # Utility methods answered by EngineCoreProc itself; everything else goes to the EngineCore.
-_PROC_UTILITIES = ("get_num_blocks", "is_alive", "ping")
+_PROC_UTILITIES = ("get_num_blocks",)
 
 
 def _configure_child_logging() -> None:
@@ -124,7 +124,7 @@ class EngineCoreProc:
             self._encoder.encode(
                 {
                     "status": HANDSHAKE_READY,
-                    "num_blocks": int(getattr(self.engine_core, "num_blocks", 0) or 0),
+                    "num_blocks": self.get_num_blocks(),
                     "pid": os.getpid(),
                 }
             )
@@ -157,7 +157,7 @@ class EngineCoreProc:
             return
         outputs = self.engine_core.step()
         self._stats_dirty = had_work
-        if outputs.outputs or outputs.scheduler_stats is not None or outputs.finished_requests:
+        if outputs.outputs or outputs.scheduler_stats is not None:
             self.output_queue.put(outputs)
 
     def _handle_client_request(self, request_type: EngineCoreRequestType, message: Any) -> None:
@@ -209,13 +209,7 @@ class EngineCoreProc:
             return (call_id, None, f"{type(e).__name__}: {e}")
 
     def get_num_blocks(self) -> int:
-        return int(getattr(self.engine_core, "num_blocks", 0) or 0)
-
-    def is_alive(self) -> bool:
-        return True
-
-    def ping(self) -> str:
-        return "pong"
+        return self.engine_core.num_blocks
 
     # ------------------------------------------------------------------------------- threads
 

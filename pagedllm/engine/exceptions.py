@@ -10,11 +10,9 @@ class EngineDeadError(RuntimeError):
     answers 503 until it is restarted.
     """
 
-    def __init__(self, message: str = "", *, suppress_context: bool = False) -> None:
+    def __init__(self, message: str = "") -> None:
         text = "EngineCore encountered an issue and is no longer running. See the logs above."
         super().__init__(f"{text} {message}".strip())
-        # Keep tracebacks short: the root cause was logged by the engine process itself.
-        self.__suppress_context__ = suppress_context
 
 
 class EngineGenerateError(RuntimeError):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from pagedllm.config import EngineConfig, env_flag
+from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import EngineCoreClient
 from pagedllm.engine.output_processor import OutputProcessor
@@ -33,9 +33,7 @@ class LLMEngine:
         mc = config.model_config
         self.tokenizer = get_tokenizer(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
         self.processor = Processor(config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer, log_stats=bool(stat_loggers))
-        if multiprocess_mode is None:
-            multiprocess_mode = env_flag("PAGEDLLM_ENABLE_MULTIPROCESSING", True)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self.engine_core = EngineCoreClient.make_client(
             config, multiprocess_mode=multiprocess_mode, asyncio_mode=False
         )
@@ -70,7 +68,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = self.engine_core.get_output()
         it = IterationStats() if self.stat_loggers else None
-        processed = self.output_processor.process_outputs(outputs.outputs, outputs.timestamp, it)
+        processed = self.output_processor.process_outputs(outputs.outputs, it)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         for stat_logger in self.stat_loggers:
@@ -84,7 +82,7 @@ class LLMEngine:
         return self.output_processor.get_num_unfinished_requests()
 
     def reset_prefix_cache(self) -> bool:
-        return self.engine_core.call_utility("reset_prefix_cache")
+        return self.engine_core.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self.engine_core.shutdown()

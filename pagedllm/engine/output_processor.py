@@ -111,9 +111,8 @@ class OutputProcessorOutput:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any, log_stats: bool = True) -> None:
+    def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.log_stats = log_stats
         self.request_states: dict[str, RequestState] = {}
         self.parents: dict[str, ParentRequest] = {}
 
@@ -174,7 +173,6 @@ class OutputProcessor:
     def process_outputs(
         self,
         outputs: list[EngineCoreOutput],
-        engine_core_timestamp: float | None = None,
         iteration_stats: IterationStats | None = None,
     ) -> OutputProcessorOutput:
         now = time.time()

@@ -104,15 +104,11 @@ class Processor:
             value = getattr(params, name)
             if value is not None and value > MAX_LOGPROBS:
                 raise ValueError(f"{name}={value} is more than the maximum ({MAX_LOGPROBS})")
-        for name in ("allowed_token_ids", "stop_token_ids"):
-            ids = getattr(params, name) or []
+        for name in ("allowed_token_ids", "stop_token_ids", "logit_bias"):
+            ids = getattr(params, name) or []  # logit_bias: its keys
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"{name} has token ids out of the vocabulary: {bad[:10]}")
-        if params.logit_bias:
-            bad = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"logit_bias has token ids out of the vocabulary: {bad[:10]}")
         self.validate_structured_outputs(params)  # bad schema/regex/grammar: compiler's message
         params = params.clone()
         if params.max_tokens is None:

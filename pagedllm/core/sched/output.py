@@ -58,7 +58,6 @@ class SchedulerOutput:
     # structured_output_request_ids[req_id], one per verified position (its drafts + 1).
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     grammar_bitmask: object | None = None
-    kv_connector_metadata: object | None = None
 
     @property
     def is_empty(self) -> bool:

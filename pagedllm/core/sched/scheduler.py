@@ -115,11 +115,6 @@ class Scheduler:
         self.policy = sched.policy
         self.block_size = cache.block_size
         self.enable_caching = cache.enable_prefix_caching
-        if cache.num_blocks * self.block_size < self.max_model_len:
-            raise ValueError(
-                f"num_blocks={cache.num_blocks} blocks of {self.block_size} tokens cannot hold "
-                f"one request of max_model_len={self.max_model_len} tokens"
-            )
         self.kv_cache_manager = KVCacheManager(
             cache.num_blocks, self.block_size, self.max_model_len, self.enable_caching
         )
@@ -259,15 +254,14 @@ class Scheduler:
 
     def _schedule_waiting(self, state: _StepState) -> None:
         skipped: list[Request] = []
-        preempted_now = {r.request_id for r in state.preempted}
         while self.waiting and state.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek_request()
-            if not self._is_ready(request) or request.request_id in preempted_now:
+            # A request preempted this step (by a higher-priority admission) waits a step.
+            if not self._is_ready(request) or request in state.preempted:
                 skipped.append(self.waiting.pop_request())
                 continue
             if not self._try_admit(request, state):
                 break
-            preempted_now.update(r.request_id for r in state.preempted)
         self.waiting.prepend_requests(skipped)
 
     def _is_ready(self, request: Request) -> bool:
@@ -473,10 +467,6 @@ class Scheduler:
     def has_requests(self) -> bool:
         """Whether a step has anything to do: run requests or tell the runner of finished ones."""
         return self.has_unfinished_requests() or self.has_finished_requests()
-
-    def get_request_counts(self) -> tuple[int, int]:
-        """(running, waiting)."""
-        return len(self.running), len(self.waiting)
 
     def make_stats(self) -> SchedulerStats:
         """Current queue sizes and KV usage, plus counters since the last call (reset here)."""

@@ -62,7 +62,6 @@ class PromptLogprobsAccumulator:
 
     def __init__(self, num_prompt_tokens: int) -> None:
         self.entries: list[LogprobsEntry | None] = [None] * num_prompt_tokens
-        self._filled = [False] * num_prompt_tokens
         self.num_filled = 0
 
     @property
@@ -76,7 +75,6 @@ class PromptLogprobsAccumulator:
             pos = start + 1 + j
             if pos >= num_prompt:
                 break
-            if not self._filled[pos]:
-                self._filled[pos] = True
+            if self.entries[pos] is None:
                 self.num_filled += 1
             self.entries[pos] = (lists.token_ids[j], lists.logprobs[j], lists.ranks[j])
