@@ -94,6 +94,21 @@ class ModelConfig:
     def name(self) -> str:
         return self.served_model_name or self.model
 
+    def get_diff_sampling_param(self) -> dict[str, Any]:
+        """SamplingParams defaults from generation_config.json (vLLM's name): temperature,
+        top_p, top_k, min_p, repetition_penalty, max_tokens (its max_new_tokens), and
+        temperature 0 where it says do_sample = false."""
+        gen = self.generation_config
+        names = {k: k for k in _GENERATION_SAMPLING_KEYS} | {"max_new_tokens": "max_tokens"}
+        params = {ours: gen[key] for key, ours in names.items() if gen.get(key) is not None}
+        if gen.get("do_sample") is False:
+            params.setdefault("temperature", 0.0)
+        return params
+
+
+# generation_config.json keys that are SamplingParams fields of the same name.
+_GENERATION_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
 
 @dataclass
 class CacheConfig:

@@ -7,7 +7,6 @@ import argparse
 import json
 import math
 import os
-from dataclasses import fields
 from typing import Any
 
 
@@ -23,9 +22,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """`LLM(**engine_kwargs(args))`: the engine flags as keyword arguments."""
     from pagedllm.engine.arg_utils import EngineArgs
 
-    engine_args = EngineArgs.from_cli_args(args)
-    engine_args.model = args.model
-    return {f.name: getattr(engine_args, f.name) for f in fields(engine_args)}
+    return EngineArgs.from_cli_args(args).as_kwargs()
 
 
 def make_llm(args: argparse.Namespace) -> Any:

@@ -181,8 +181,9 @@ class EngineArgs:
         values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
         return cls(**values)
 
-    def replace(self, **changes: Any) -> EngineArgs:
-        return dataclasses.replace(self, **changes)
+    def as_kwargs(self) -> dict[str, Any]:
+        """The fields as keyword arguments (`LLM(**engine_args.as_kwargs())`)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 def _cli_type(f: dataclasses.Field) -> Any:

@@ -21,6 +21,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine import EngineCoreRequest
 from pagedllm.engine.core_client import AsyncMPClient, EngineCoreClient
 from pagedllm.engine.exceptions import EngineDeadError, EngineGenerateError
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputCollector
@@ -136,15 +137,20 @@ class AsyncLLM:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        processed: tuple[str | None, EngineCoreRequest] | None = None,
     ) -> RequestOutputCollector:
         """Validate, register and send one request; its outputs arrive in the returned
-        collector. Raises ValueError (bad input) or EngineDeadError."""
+        collector. Raises ValueError (bad input) or EngineDeadError. `processed`: what
+        `processor.process_inputs` already returned for these arguments (the server validates
+        before it starts a stream); it is not processed again."""
         if self.errored:
             raise self.dead_error
         self._start_background_tasks()
-        prompt_text, request = self.processor.process_inputs(
-            request_id, prompt, params, arrival_time, priority
-        )
+        if processed is None:
+            processed = self.processor.process_inputs(
+                request_id, prompt, params, arrival_time, priority
+            )
+        prompt_text, request = processed
         queue = RequestOutputCollector(request.sampling_params.output_kind)
         children = fan_out(request)
         added: list[str] = []
@@ -166,8 +172,10 @@ class AsyncLLM:
         sampling_params: SamplingParams,
         request_id: str,
         priority: int = 0,
+        processed: tuple[str | None, EngineCoreRequest] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Yield the request's outputs until it finishes (see the class contract)."""
+        """Yield the request's outputs until it finishes (see the class contract);
+        `processed` as in `add_request`."""
         start = time.monotonic()
         arrival = time.time()
         queue: RequestOutputCollector | None = None
@@ -175,7 +183,12 @@ class AsyncLLM:
         num_output_tokens: dict[int, int] = {}
         try:
             queue = await self.add_request(
-                request_id, prompt, sampling_params, arrival_time=arrival, priority=priority
+                request_id,
+                prompt,
+                sampling_params,
+                arrival_time=arrival,
+                priority=priority,
+                processed=processed,
             )
             finished = False
             while not finished:

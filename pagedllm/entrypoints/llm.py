@@ -14,16 +14,6 @@ from pagedllm.engine.processor import PromptType
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
-# generation_config.json keys that become SamplingParams defaults (vLLM's behaviour).
-_GENERATION_DEFAULTS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "max_new_tokens",
-)
-
 
 class LLM:
     """An engine for offline inference: `LLM(model=DIR, **engine_args).generate(prompts)`.
@@ -32,7 +22,6 @@ class LLM:
     """
 
     def __init__(self, model: str, **kwargs: Any) -> None:
-        kwargs.setdefault("disable_log_stats", True)  # vLLM's LLM default: no periodic stats
         engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_engine_args(engine_args)
         self._request_counter = itertools.count()
@@ -41,13 +30,7 @@ class LLM:
         return self.llm_engine.get_tokenizer()
 
     def get_default_sampling_params(self) -> SamplingParams:
-        gen = self.llm_engine.config.model_config.generation_config
-        kwargs = {k: gen[k] for k in _GENERATION_DEFAULTS if gen.get(k) is not None}
-        if "max_new_tokens" in kwargs:
-            kwargs["max_tokens"] = kwargs.pop("max_new_tokens")
-        if not gen.get("do_sample", True) and "temperature" not in kwargs:
-            kwargs["temperature"] = 0.0
-        return SamplingParams(**kwargs)
+        return SamplingParams(**self.llm_engine.config.model_config.get_diff_sampling_param())
 
     def generate(
         self,

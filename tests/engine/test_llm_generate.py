@@ -234,3 +234,24 @@ def test_text_after_prompt_ending_mid_character(shared_llm):
     out = shared_llm.generate({"prompt_token_ids": prompt}, _greedy(8), use_tqdm=False)[0]
     c = out.outputs[0]
     assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize(
+    ("gen", "expected"),
+    [
+        ({}, {}),
+        ({"do_sample": False}, {"temperature": 0.0}),
+        ({"do_sample": None, "top_p": 0.9}, {"top_p": 0.9}),
+        (
+            {"do_sample": False, "temperature": 0.6, "max_new_tokens": 32, "bos_token_id": 1},
+            {"temperature": 0.6, "max_tokens": 32},
+        ),
+    ],
+)
+def test_generation_config_defaults(gen, expected):
+    """One reading of generation_config.json for `LLM` and the server."""
+    from types import SimpleNamespace
+
+    from pagedllm.config import ModelConfig
+
+    assert ModelConfig.get_diff_sampling_param(SimpleNamespace(generation_config=gen)) == expected

@@ -125,6 +125,18 @@ def test_completion_logprobs_and_sampling_n(client):
         assert lp.text_offset == sorted(lp.text_offset)
 
 
+def test_completion_prompt_logprobs(server, client):
+    ids = _tokens(server, "Once upon a time")
+    out = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=2, temperature=0.0,
+        extra_body={"prompt_logprobs": 1, "ignore_eos": True},
+    )  # fmt: skip
+    prompt_logprobs = out.choices[0].model_extra["prompt_logprobs"]
+    assert len(prompt_logprobs) == len(ids) and prompt_logprobs[0] is None
+    for token, entry in zip(ids[1:], prompt_logprobs[1:]):
+        assert str(token) in entry and entry[str(token)]["logprob"] <= 0.0
+
+
 def test_stop_string(client):
     full = client.completions.create(model=MODEL, prompt="Tell me", max_tokens=12, **GREEDY)
     text = full.choices[0].text

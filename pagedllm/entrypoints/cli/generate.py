@@ -29,8 +29,7 @@ def run(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.model = args.model or default_demo_model_dir()
     prompts = args.prompt or ["The capital of France is"]
-    kwargs = {f: getattr(engine_args, f) for f in engine_args.__dataclass_fields__}
-    llm = LLM(**kwargs)
+    llm = LLM(**engine_args.as_kwargs())
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,

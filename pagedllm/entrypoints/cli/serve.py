@@ -25,7 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--model", default=None, help="checkpoint directory (same as MODEL)")
     make_arg_parser(parser)
-    parser.set_defaults(func=cmd, dispatch_function=cmd)
+    parser.set_defaults(func=cmd)
 
 
 def cmd(args: argparse.Namespace) -> int:
@@ -38,12 +38,8 @@ def cmd(args: argparse.Namespace) -> int:
         )
     args.model = args.model_tag or args.model
     if not args.model:
-        args.model = demo_model_dir()
+        from pagedllm.testing.demo_model import default_demo_model_dir
+
+        args.model = default_demo_model_dir()
     run_server(args)
     return 0
-
-
-def demo_model_dir() -> str:
-    from pagedllm.testing.demo_model import default_demo_model_dir
-
-    return default_demo_model_dir()

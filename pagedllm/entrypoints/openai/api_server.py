@@ -114,7 +114,7 @@ def _register_routes(app: FastAPI) -> None:
         try:
             await raw_request.app.state.engine.check_health()
         except EngineDeadError as e:
-            return _error_json(OpenAIError(str(e), HTTPStatus.SERVICE_UNAVAILABLE))
+            return _error_json(OpenAIError.from_exception(e))
         return Response(status_code=200)
 
     @app.get("/version")
@@ -186,13 +186,13 @@ def _register_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return _error_json(OpenAIError(str(exc), HTTPStatus.SERVICE_UNAVAILABLE))
+        return _error_json(OpenAIError.from_exception(exc))
 
 
 def init_app_state(app: FastAPI, engine: AsyncLLM, args: argparse.Namespace) -> None:
     """Attach the engine and the endpoint handlers to `app.state`."""
     mc = engine.model_config
-    names = [mc.served_model_name] if mc.served_model_name else [mc.model]
+    names = [mc.name]
     state = app.state
     state.engine = engine
     state.served_model_names = names
@@ -215,7 +215,6 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM | None = None) -> FastA
             from pagedllm.engine.arg_utils import EngineArgs
 
             engine_args = EngineArgs.from_cli_args(args)
-            engine_args.model = args.model
             the_engine = AsyncLLM.from_engine_args(
                 engine_args, log_requests=not getattr(args, "disable_log_requests", False)
             )

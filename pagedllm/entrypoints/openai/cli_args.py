@@ -53,7 +53,6 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Seconds open connections get to finish after SIGTERM / Ctrl-C.",
     )
     EngineArgs.add_cli_args(parser)
-    parser.set_defaults(disable_log_stats=False)
     return parser
 
 

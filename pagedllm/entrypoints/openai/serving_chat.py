@@ -97,14 +97,10 @@ class OpenAIServingChat(OpenAIServing):
         )
         ids = self.tokenize_text(prompt_text, add_special_tokens=request.add_special_tokens)
         max_tokens = self.resolve_max_tokens(len(ids), request.requested_max_tokens, "messages")
-        try:
-            params = request.to_sampling_params(max_tokens, self.default_sampling)
-        except ValueError as e:
-            raise OpenAIError(str(e)) from e
         engine_prompt = {"prompt_token_ids": ids, "prompt": prompt_text}
-        self.validate(request_id, engine_prompt, params, request.priority)
+        params, processed = self.prepare(request_id, engine_prompt, request, max_tokens)
         generator = self.engine.generate(
-            engine_prompt, params, request_id, priority=request.priority
+            engine_prompt, params, request_id, priority=request.priority, processed=processed
         )
         if request.stream:
             return self._stream(request, request_id, created, len(ids), generator)
@@ -133,11 +129,7 @@ class OpenAIServingChat(OpenAIServing):
                     stop_reason=out.stop_reason,
                 )
             )
-        usage = UsageInfo(
-            prompt_tokens=len(ids),
-            completion_tokens=num_generated,
-            total_tokens=len(ids) + num_generated,
-        )
+        usage = make_usage(len(ids), num_generated)
         return ChatCompletionResponse(
             id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
         )

@@ -13,7 +13,6 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionResponseChoice,
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
-    UsageInfo,
     random_uuid,
 )
 from pagedllm.entrypoints.openai.serving_engine import (
@@ -70,15 +69,13 @@ class OpenAIServingCompletion(OpenAIServing):
         generators = []
         for i, (text, ids) in enumerate(prompts):
             max_tokens = self.resolve_max_tokens(len(ids), request.max_tokens, "prompt")
-            try:
-                params = request.to_sampling_params(max_tokens, self.default_sampling)
-            except ValueError as e:
-                raise OpenAIError(str(e)) from e
             engine_prompt = {"prompt_token_ids": ids, "prompt": text}
             sub_id = f"{request_id}-{i}"
-            self.validate(sub_id, engine_prompt, params, request.priority)
+            params, processed = self.prepare(sub_id, engine_prompt, request, max_tokens)
             generators.append(
-                self.engine.generate(engine_prompt, params, sub_id, priority=request.priority)
+                self.engine.generate(
+                    engine_prompt, params, sub_id, priority=request.priority, processed=processed
+                )
             )
         results = merge_async_iterators(*generators)
         if request.stream:
@@ -126,13 +123,12 @@ class OpenAIServingCompletion(OpenAIServing):
                         logprobs=logprobs,
                         finish_reason=out.finish_reason,
                         stop_reason=out.stop_reason,
+                        prompt_logprobs=(
+                            res.prompt_logprobs if request.prompt_logprobs is not None else None
+                        ),
                     )
                 )
-        usage = UsageInfo(
-            prompt_tokens=num_prompt_tokens,
-            completion_tokens=num_generated,
-            total_tokens=num_prompt_tokens + num_generated,
-        )
+        usage = make_usage(num_prompt_tokens, num_generated)
         return CompletionResponse(
             id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
         )

@@ -13,6 +13,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from http import HTTPStatus
 from typing import Any
 
+from pagedllm.engine import EngineCoreRequest
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.entrypoints.openai.protocol import (
@@ -25,9 +26,8 @@ from pagedllm.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from pagedllm.outputs import Logprob
+from pagedllm.sampling_params import SamplingParams
 
-# generation_config.json keys that become defaults of unset request fields (vLLM's behaviour).
-_GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 _ERROR_TYPES = {
     HTTPStatus.BAD_REQUEST: "BadRequestError",
     HTTPStatus.UNAUTHORIZED: "AuthenticationError",
@@ -80,12 +80,8 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.served_model_names = served_model_names
         self.max_model_len = engine.model_config.max_model_len
-        gen = engine.model_config.generation_config or {}
-        self.default_sampling = {
-            k: gen[k] for k in _GENERATION_DEFAULT_KEYS if gen.get(k) is not None
-        }
-        if gen.get("do_sample") is False and "temperature" not in self.default_sampling:
-            self.default_sampling["temperature"] = 0.0
+        # Defaults of unset request fields (max_tokens is resolved per request instead).
+        self.default_sampling = engine.model_config.get_diff_sampling_param()
 
     @property
     def model_name(self) -> str:
@@ -128,13 +124,19 @@ class OpenAIServing:
                 )
         return requested  # SamplingParams rejects values < 1 with a field-naming message
 
-    def validate(self, request_id: str, prompt: dict[str, Any], params: Any, priority: int) -> None:
-        """Runs the engine's own input checks now, so bad input is a 400 before a stream
-        starts (the engine repeats them when the request is added)."""
+    def prepare(
+        self, request_id: str, prompt: dict[str, Any], request: Any, max_tokens: int
+    ) -> tuple[SamplingParams, tuple[str | None, EngineCoreRequest]]:
+        """The request's SamplingParams and the engine's processed input, built now so that
+        bad input is a 400 before a stream starts; pass both to `engine.generate`."""
         try:
-            self.engine.processor.process_inputs(request_id, prompt, params, None, priority)
+            params = request.to_sampling_params(max_tokens, self.default_sampling)
+            processed = self.engine.processor.process_inputs(
+                request_id, prompt, params, None, request.priority
+            )
         except ValueError as e:
             raise OpenAIError(str(e)) from e
+        return params, processed
 
     # ------------------------------------------------------------------------- logprobs
 
