@@ -26,9 +26,9 @@ class CommonAttentionMetadata:
     num_reqs: int
     num_actual_tokens: int  # rows of q/k/v that are real (inputs may be padded past this)
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32, on the device
-    query_start_loc_cpu: list[int]  # same, as a host list
+    query_start_loc_cpu: np.ndarray  # same, on the host (int64)
     seq_lens: torch.Tensor  # [num_reqs] int32, on the device
-    seq_lens_cpu: list[int]
+    seq_lens_cpu: np.ndarray  # same, on the host
     block_table: torch.Tensor  # [num_reqs, max_blocks_per_req] int32, on the device
     slot_mapping: torch.Tensor  # [num_actual_tokens] int64: block_id * block_size + offset
     max_query_len: int
@@ -46,20 +46,46 @@ class CommonAttentionMetadata:
         device: torch.device,
     ) -> CommonAttentionMetadata:
         """Build from host arrays (the runner prepares a step's batch with numpy)."""
-        seq_lens = seq_lens.astype(np.int32)
+        query_start_loc = np.asarray(query_start_loc, dtype=np.int64)
+        seq_lens = np.asarray(seq_lens, dtype=np.int32)
         return cls(
             num_reqs=len(seq_lens),
             num_actual_tokens=int(query_start_loc[-1]),
             query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),
-            query_start_loc_cpu=query_start_loc.tolist(),
+            query_start_loc_cpu=query_start_loc,
             seq_lens=torch.from_numpy(seq_lens).to(device),
-            seq_lens_cpu=seq_lens.tolist(),
+            seq_lens_cpu=seq_lens,
             block_table=torch.from_numpy(block_table).to(device),
-            slot_mapping=torch.from_numpy(slot_mapping.astype(np.int64)).to(device),
+            slot_mapping=torch.from_numpy(np.asarray(slot_mapping, dtype=np.int64)).to(device),
             max_query_len=int(np.diff(query_start_loc).max()),
             max_seq_len=int(seq_lens.max()),
             block_size=block_size,
         )
+
+    @classmethod
+    def for_spans(
+        cls,
+        block_table: np.ndarray,  # [num_reqs, max_blocks_per_req] int32
+        first_pos: np.ndarray,  # [num_reqs] position of each request's first new token
+        num_rows: np.ndarray,  # [num_reqs] new tokens per request, each >= 1
+        block_size: int,
+        device: torch.device,
+        max_position: int | None = None,
+    ) -> tuple[CommonAttentionMetadata, np.ndarray]:
+        """Metadata for running `num_rows[r]` consecutive tokens of request r from position
+        `first_pos[r]` -> (metadata, positions [N] int64). Positions past `max_position` are
+        clamped to it."""
+        num_reqs = len(num_rows)
+        cu = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(num_rows, out=cu[1:])
+        req_idx = np.repeat(np.arange(num_reqs), num_rows)  # [N]
+        positions = first_pos[req_idx] + (np.arange(int(cu[-1])) - cu[:-1][req_idx])  # [N]
+        if max_position is not None:
+            np.minimum(positions, max_position, out=positions)
+        bs = block_size
+        slots = block_table[req_idx, positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = positions[cu[1:] - 1] + 1  # last position + 1
+        return cls.from_numpy(cu, seq_lens, block_table, slots, bs, device), positions
 
 
 class AttentionBackend(ABC):

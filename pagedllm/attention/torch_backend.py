@@ -170,7 +170,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
         qsl = np.asarray(common.query_start_loc_cpu, dtype=np.int64)
-        seq_lens = np.asarray(common.seq_lens_cpu, dtype=np.int64)
+        seq_lens = np.asarray(common.seq_lens_cpu, dtype=np.int64)  # (tests may pass lists)
         meta = TorchAttentionMetadata(
             num_actual_tokens=common.num_actual_tokens,
             slot_mapping=common.slot_mapping[: common.num_actual_tokens].long(),
@@ -243,8 +243,8 @@ class TorchAttentionBackend(AttentionBackend):
         )
 
     def _build_prefill(self, common: CommonAttentionMetadata, r: int) -> PrefillRequest:
-        start, end = common.query_start_loc_cpu[r], common.query_start_loc_cpu[r + 1]
-        seq_len = common.seq_lens_cpu[r]
+        start, end = int(common.query_start_loc_cpu[r]), int(common.query_start_loc_cpu[r + 1])
+        seq_len = int(common.seq_lens_cpu[r])
         ctx = seq_len - (end - start)
         if ctx == 0:
             return PrefillRequest(start, end, seq_len, None, None)

@@ -46,7 +46,7 @@ class DraftModelProposer(PagedModelProposer):
         sampled = np.zeros(len(states), dtype=np.int64)
         sampled[idx] = 1
         counts = batch.num_valid + sampled  # [B] rows of the first pass
-        table = self.block_table(states)
+        table = batch.block_table
         meta, positions = self.attention_metadata(table, batch.start, counts)
         input_ids = torch.from_numpy(gather_token_ids(states, batch.start, counts))
         hidden = self.model(input_ids.to(self.device), positions, meta)  # [N, hidden]

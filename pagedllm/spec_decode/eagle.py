@@ -194,7 +194,7 @@ class EagleProposer(PagedModelProposer):
         offsets = np.cumsum(counts) - counts
         rows = np.repeat(batch.row_start - offsets, counts) + np.arange(int(counts.sum()))
         features = batch.hidden[torch.from_numpy(rows).to(self.device)]
-        table = self.block_table(states)
+        table = batch.block_table
         meta, positions = self.attention_metadata(table, batch.start, counts)
         embeds = self._embed(torch.from_numpy(token_ids).to(self.device))
         out = self.model(embeds, features, positions, meta)  # [N, H]

@@ -50,6 +50,7 @@ class DraftBatch:
     row_start: np.ndarray  # [B] int64 first row of each request in the flattened batch
     sample_idx: np.ndarray  # [S] int64 requests that sampled this step, batch order
     hidden: torch.Tensor  # [T, hidden] the target's last hidden states of this step
+    block_table: np.ndarray  # [B, max_blocks] int32 the step's block table (zero padded)
 
 
 @dataclass
@@ -142,14 +143,6 @@ class PagedModelProposer(Proposer):
         bind_kv_caches(self.model, self.kv_caches, backend)
         self.backend = backend
 
-    def block_table(self, states: list[Any]) -> np.ndarray:
-        """[B, max_blocks] int32 block ids of each request (zero padded)."""
-        max_blocks = max(len(s.block_ids) for s in states)
-        table = np.zeros((len(states), max_blocks), dtype=np.int32)
-        for i, s in enumerate(states):
-            table[i, : len(s.block_ids)] = s.block_ids
-        return table
-
     def attention_metadata(
         self, block_table: np.ndarray, first_pos: np.ndarray, num_rows: np.ndarray
     ) -> tuple[Any, torch.Tensor]:
@@ -158,19 +151,10 @@ class PagedModelProposer(Proposer):
 
         Positions past max_model_len - 1 (drafts the scheduler would drop anyway) are clamped to
         it: they stay inside the slots the scheduler reserved and inside the RoPE table."""
-        num_reqs = len(num_rows)
-        total = int(num_rows.sum())
-        cu = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(num_rows, out=cu[1:])
-        req_idx = np.repeat(np.arange(num_reqs), num_rows)  # [N]
-        positions = first_pos[req_idx] + (np.arange(total) - cu[:-1][req_idx])  # [N]
-        np.minimum(positions, self.max_model_len - 1, out=positions)
-        bs = self.block_size
-        slots = block_table[req_idx, positions // bs].astype(np.int64) * bs + positions % bs
-        seq_lens = (positions[cu[1:] - 1] + 1).astype(np.int32)  # last position + 1
-        dev = self.device
-        common = CommonAttentionMetadata.from_numpy(cu, seq_lens, block_table, slots, bs, dev)
-        return self.backend.build_metadata(common), torch.from_numpy(positions).to(dev)
+        common, positions = CommonAttentionMetadata.for_spans(
+            block_table, first_pos, num_rows, self.block_size, self.device, self.max_model_len - 1
+        )
+        return self.backend.build_metadata(common), torch.from_numpy(positions).to(self.device)
 
 
 def gather_token_ids(states: list[Any], first: np.ndarray, counts: np.ndarray) -> np.ndarray:

@@ -67,6 +67,20 @@ class CachedRequestState:
         self.token_ids.extend(token_ids)
 
 
+@dataclass
+class _StepBatch:
+    """One step's scheduled requests (B of them, T flattened rows), built once per step."""
+
+    req_ids: list[str]
+    states: list[CachedRequestState]
+    start: np.ndarray  # [B] int64 first position run this step (num_computed_tokens)
+    num_sched: np.ndarray  # [B] int64 tokens scheduled
+    row_start: np.ndarray  # [B] int64 first row of each request in the flattened batch
+    drafts: list[list[int]]  # [B] draft tokens under verification
+    num_drafts: np.ndarray  # [B] int64
+    block_table: np.ndarray  # [B, max_blocks] int32, zero padded
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.config = config
@@ -152,72 +166,81 @@ class ModelRunner:
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
-        req_ids = list(so.num_scheduled_tokens)
-        states = [self.requests[r] for r in req_ids]
-        num_sched = np.fromiter(
-            (so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids)
-        )
-        start = np.fromiter(
-            (s.num_computed_tokens for s in states), dtype=np.int64, count=len(states)
-        )
-        attn_meta, input_ids, positions = self._prepare_inputs(
-            so, req_ids, states, num_sched, start
-        )
+        step = self._step_batch(so)
+        attn_meta, input_ids, positions = self._prepare_inputs(step)
         hidden = self.model(input_ids, positions, attn_meta)  # [T, hidden]
 
         # A request samples when this step's tokens reach the end of its known tokens; one with
         # draft tokens verifies them and may emit up to k + 1 (see _sample_tokens).
-        cu_ends = np.cumsum(num_sched)
-        sampled, logprobs = self._sample_tokens(so, req_ids, states, start, num_sched, hidden)
+        sampled, logprobs = self._sample_tokens(so, step, hidden)
         spec_token_ids = None
         if self.drafter is not None:
-            spec_token_ids = self._propose_drafts(
-                so, req_ids, states, start, num_sched, hidden, sampled
-            )
+            spec_token_ids = self._propose_drafts(step, hidden, sampled)
 
-        prompt_logprobs = self._prompt_logprobs(hidden, states, start, num_sched, cu_ends)
+        prompt_logprobs = self._prompt_logprobs(step, hidden)
         return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            req_ids=step.req_ids,
+            req_id_to_index={r: i for i, r in enumerate(step.req_ids)},
             sampled_token_ids=sampled,
             logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
             prompt_logprobs_dict=prompt_logprobs,
             spec_token_ids=spec_token_ids,
         )
 
+    def _step_batch(self, so: SchedulerOutput) -> _StepBatch:
+        req_ids = list(so.num_scheduled_tokens)
+        states = [self.requests[r] for r in req_ids]
+        num_reqs = len(req_ids)
+        num_sched = np.fromiter(so.num_scheduled_tokens.values(), np.int64, num_reqs)
+        spec = so.scheduled_spec_decode_tokens
+        drafts = [spec.get(r, []) for r in req_ids] if spec else [[] for _ in req_ids]
+        cu = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(num_sched, out=cu[1:])
+        # Block table [num_reqs, max_blocks]: each request's block ids, zero-padded.
+        num_blocks = np.fromiter((len(s.block_ids) for s in states), np.int64, num_reqs)
+        block_table = np.zeros((num_reqs, int(num_blocks.max())), dtype=np.int32)
+        block_table[np.arange(block_table.shape[1]) < num_blocks[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(s.block_ids for s in states), np.int32
+        )
+        return _StepBatch(
+            req_ids=req_ids,
+            states=states,
+            start=np.fromiter((s.num_computed_tokens for s in states), np.int64, num_reqs),
+            num_sched=num_sched,
+            row_start=cu[:-1],
+            drafts=drafts,
+            num_drafts=np.fromiter(map(len, drafts), np.int64, num_reqs),
+            block_table=block_table,
+        )
+
     def _sample_tokens(
-        self,
-        so: SchedulerOutput,
-        req_ids: list[str],
-        states: list[CachedRequestState],
-        start: np.ndarray,  # [B]
-        num_sched: np.ndarray,  # [B]
-        hidden: torch.Tensor,  # [T, hidden]
+        self, so: SchedulerOutput, step: _StepBatch, hidden: torch.Tensor
     ) -> tuple[list[list[int]], list[LogprobsLists | None]]:
         """Sample every request whose scheduled tokens reach the end of its known tokens and
         append the result to its state. A request with k draft tokens scheduled owns the last
         k + 1 rows: the `RejectionSampler` verifies the drafts there and emits the accepted
         ones plus one (spec_decode/verifier.py); without drafts anywhere in the batch the
         plain `Sampler` samples one token per request from its last row."""
-        ends = (start + num_sched).tolist()
+        states = step.states
+        ends = (step.start + step.num_sched).tolist()
         sample_rows = [i for i, (s, end) in enumerate(zip(states, ends)) if end >= s.num_tokens]
-        sampled: list[list[int]] = [[] for _ in req_ids]
-        logprobs: list[LogprobsLists | None] = [None] * len(req_ids)
+        sampled: list[list[int]] = [[] for _ in states]
+        logprobs: list[LogprobsLists | None] = [None] * len(states)
         if not sample_rows:
             return sampled, logprobs
-        spec = so.scheduled_spec_decode_tokens
-        drafts = [spec.get(req_ids[i], []) for i in sample_rows]
-        num_drafts = np.fromiter(map(len, drafts), dtype=np.int64, count=len(drafts))
-        rows = verification_rows(np.cumsum(num_sched)[sample_rows] - 1, num_drafts)
+        num_drafts = step.num_drafts[sample_rows]
+        last_rows = (step.row_start + step.num_sched)[sample_rows] - 1
+        rows = verification_rows(last_rows, num_drafts)
         logits = self.model.compute_logits(hidden[torch.from_numpy(rows).to(self.device)])
         if so.grammar_bitmask is not None:  # structured outputs: mask what grammars forbid
             # One bitmask row per verified position, in the order of `rows`.
-            apply_grammar_bitmask(logits, so, [req_ids[i] for i in sample_rows], num_drafts + 1)
+            sample_ids = [step.req_ids[i] for i in sample_rows]
+            apply_grammar_bitmask(logits, so, sample_ids, num_drafts + 1)
         sample_states = [states[i] for i in sample_rows]
         if num_drafts.any():
             token_lists, row_logprobs = verify_and_sample(
                 logits,
-                drafts,
+                [step.drafts[i] for i in sample_rows],
                 [s.sampling_params for s in sample_states],
                 [s.prompt_token_ids for s in sample_states],
                 [s.output_token_ids for s in sample_states],
@@ -235,79 +258,41 @@ class ModelRunner:
         return sampled, logprobs
 
     def _propose_drafts(
-        self,
-        so: SchedulerOutput,
-        req_ids: list[str],
-        states: list[CachedRequestState],
-        start: np.ndarray,  # [B]
-        num_sched: np.ndarray,  # [B]
-        hidden: torch.Tensor,  # [T, hidden]
-        sampled: list[list[int]],
+        self, step: _StepBatch, hidden: torch.Tensor, sampled: list[list[int]]
     ) -> list[list[int]]:
         """Draft the next step's tokens of every request that sampled (spec_decode/) and keep
         their q for verifying them; the proposer also refreshes its own KV for every position
         the target computed validly: all scheduled rows but the rejected drafts."""
-        spec = so.scheduled_spec_decode_tokens
-        num_drafts = np.fromiter(
-            (len(spec.get(r, ())) for r in req_ids), dtype=np.int64, count=len(req_ids)
-        )
         num_emitted = np.fromiter(map(len, sampled), dtype=np.int64, count=len(sampled))
         batch = DraftBatch(
-            states=states,
-            start=start,
-            num_valid=num_sched - num_drafts + np.maximum(num_emitted - 1, 0),
-            row_start=np.cumsum(num_sched) - num_sched,
+            states=step.states,
+            start=step.start,
+            num_valid=step.num_sched - step.num_drafts + np.maximum(num_emitted - 1, 0),
+            row_start=step.row_start,
             sample_idx=np.flatnonzero(num_emitted),
             hidden=hidden,
+            block_table=step.block_table,
         )
         proposal = run_proposer(self.drafter, batch)
         for i in batch.sample_idx.tolist():
-            states[i].draft_probs = proposal.probs[i]
+            step.states[i].draft_probs = proposal.probs[i]
         return proposal.token_ids
 
-    def _prepare_inputs(
-        self,
-        so: SchedulerOutput,
-        req_ids: list[str],
-        states: list[CachedRequestState],
-        num_sched: np.ndarray,  # [B]
-        start: np.ndarray,  # [B] num_computed_tokens
-    ) -> tuple[object, torch.Tensor, torch.Tensor]:
-        num_reqs = len(req_ids)
-        total = int(num_sched.sum())
-        cu = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(num_sched, out=cu[1:])
-        # Row -> request index, and position of each flattened token.
-        req_idx = np.repeat(np.arange(num_reqs), num_sched)  # [T]
-        positions = start[req_idx] + (np.arange(total) - cu[:-1][req_idx])  # [T]
-
+    def _prepare_inputs(self, step: _StepBatch) -> tuple[object, torch.Tensor, torch.Tensor]:
         tokens: list[int] = []
-        spec = so.scheduled_spec_decode_tokens
-        for i, (s, a, n) in enumerate(zip(states, start.tolist(), num_sched.tolist())):
+        spans = zip(step.states, step.start.tolist(), step.num_sched.tolist(), step.drafts)
+        for s, a, n, drafts in spans:
             known = s.token_ids[a : a + n]
             tokens.extend(known)
             if len(known) < n:  # draft tokens under verification
-                tokens.extend(spec.get(req_ids[i], [])[: n - len(known)])
-        input_ids = np.asarray(tokens, dtype=np.int64)
-
-        # Block table [num_reqs, max_blocks]: each request's block ids, zero-padded.
-        num_blocks = np.fromiter((len(s.block_ids) for s in states), np.int64, num_reqs)
-        block_table = np.zeros((num_reqs, int(num_blocks.max())), dtype=np.int32)
-        block_table[np.arange(block_table.shape[1]) < num_blocks[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(s.block_ids for s in states), np.int32
-        )
-        bs = self.block_size
-        slot_mapping = block_table[req_idx, positions // bs].astype(np.int64) * bs + positions % bs
-        seq_lens = (start + num_sched).astype(np.int32)
-
+                tokens.extend(drafts[: n - len(known)])
         dev = self.device
-        common = CommonAttentionMetadata.from_numpy(
-            cu, seq_lens, block_table, slot_mapping, bs, dev
+        common, positions = CommonAttentionMetadata.for_spans(
+            step.block_table, step.start, step.num_sched, self.block_size, dev
         )
-        attn_meta = self.attn_backend.build_metadata(common)
         return (
-            attn_meta,
-            torch.from_numpy(input_ids).to(dev),
+            self.attn_backend.build_metadata(common),
+            torch.from_numpy(np.asarray(tokens, dtype=np.int64)).to(dev),
             torch.from_numpy(positions).to(dev),
         )
 
@@ -347,27 +332,21 @@ class ModelRunner:
         self._cached_metadata = (states, metadata)
         return metadata
 
-    def _prompt_logprobs(
-        self,
-        hidden: torch.Tensor,
-        states: list[CachedRequestState],
-        start: np.ndarray,
-        num_sched: np.ndarray,
-        cu_ends: np.ndarray,
-    ) -> dict[str, LogprobsLists]:
+    def _prompt_logprobs(self, step: _StepBatch, hidden: torch.Tensor) -> dict[str, LogprobsLists]:
         """Logprobs of prompt tokens 1..P-1 covered by this step's chunk (position p's hidden
         state predicts token p+1)."""
         result: dict[str, LogprobsLists] = {}
-        for i, s in enumerate(states):
+        for i, s in enumerate(step.states):
             k = s.sampling_params.prompt_logprobs
             if k is None:
                 continue
-            a = max(int(start[i]), s.num_prompt_logprobs_done)
-            b = min(int(start[i] + num_sched[i]), len(s.prompt_token_ids) - 1)
+            first = int(step.start[i])
+            a = max(first, s.num_prompt_logprobs_done)
+            b = min(first + int(step.num_sched[i]), len(s.prompt_token_ids) - 1)
             if b <= a:
                 continue
-            row0 = int(cu_ends[i] - num_sched[i])
-            rows = hidden[row0 + (a - int(start[i])) : row0 + (b - int(start[i]))]
+            row0 = int(step.row_start[i])
+            rows = hidden[row0 + (a - first) : row0 + (b - first)]
             logits = self.model.compute_logits(rows)
             targets = torch.as_tensor(s.prompt_token_ids[a + 1 : b + 1], device=self.device)
             lp = compute_token_logprobs(logits, targets, k)
