@@ -91,3 +91,33 @@ def bind_kv_caches(
         layer.kv_cache = cache
         layer.backend = backend
     return layers
+
+
+def kv_cache_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block takes over all of the model's Attention layers (keys and values)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return sum(
+        2 * block_size * layer.num_kv_heads * layer.head_size * elem
+        for layer in get_attention_layers(model)
+    )
+
+
+def allocate_kv_caches(
+    model: nn.Module,
+    backend: AttentionBackend,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """One zeroed paged KV tensor per Attention layer of `model`, bound to it; returns them."""
+    caches = [
+        torch.zeros(
+            backend.get_kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_size),
+            dtype=dtype,
+            device=device,
+        )
+        for layer in get_attention_layers(model)
+    ]
+    bind_kv_caches(model, caches, backend)
+    return caches

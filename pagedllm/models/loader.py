@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -93,19 +93,13 @@ def get_model(config: EngineConfig) -> nn.Module:
     archs = getattr(model_config.hf_config, "architectures", None) or []
     model_cls = resolve_model_cls(archs)
     device = config.device_config.torch_device
-    with default_dtype(model_config.dtype), device:
-        model = model_cls(config=config)
-    with torch.no_grad():
-        loaded = model.load_weights(iterate_weights(model_config.model))
-    missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
-    if missing:
-        shown = ", ".join(missing[:10]) + (
-            f", ... ({len(missing)} in all)" if len(missing) > 10 else ""
-        )
-        raise ValueError(
-            f"checkpoint {model_config.model!r} has no weights for these parameters of "
-            f"{model_cls.__name__}: {shown}"
-        )
+    model = load_module(
+        lambda: model_cls(config=config),
+        model_config.model,
+        model_config.dtype,
+        device,
+        f"checkpoint {model_config.model!r}",
+    )
     logger.info(
         "loaded %s (%s, %.1fM parameters) on %s",
         model_cls.__name__,
@@ -113,8 +107,34 @@ def get_model(config: EngineConfig) -> nn.Module:
         sum(p.numel() for p in model.parameters()) / 1e6,
         device,
     )
-    for module in model.modules():
-        hook = getattr(module, "process_weights_after_loading", None)
+    return model
+
+
+def load_module(
+    build: Callable[[], nn.Module],
+    model_dir: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    source: str,
+) -> nn.Module:
+    """Build a module in `dtype` on `device` (parameters allocated in place), stream the
+    checkpoint in `model_dir` into its `load_weights` (which returns the names of the
+    parameters it filled), check that none is missing (ValueError naming `source`), run the
+    layers' `process_weights_after_loading` hooks; returns it in eval mode."""
+    with default_dtype(dtype), device:
+        module = build()
+    with torch.no_grad():
+        loaded = module.load_weights(iterate_weights(model_dir))
+    missing = sorted(name for name, _ in module.named_parameters() if name not in loaded)
+    if missing:
+        shown = ", ".join(missing[:10]) + (
+            f", ... ({len(missing)} in all)" if len(missing) > 10 else ""
+        )
+        raise ValueError(
+            f"{source} has no weights for these parameters of {type(module).__name__}: {shown}"
+        )
+    for sub in module.modules():
+        hook = getattr(sub, "process_weights_after_loading", None)
         if hook is not None:
             hook()
-    return model.eval()
+    return module.eval()

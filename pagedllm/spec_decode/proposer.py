@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend, CommonAttentionMetadata
-from pagedllm.attention.layer import bind_kv_caches, get_attention_layers
+from pagedllm.attention.layer import allocate_kv_caches, kv_cache_bytes_per_block
 from pagedllm.sample import ops
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.spec_decode.rejection_sampler import target_probs
@@ -122,25 +122,12 @@ class PagedModelProposer(Proposer):
         self.kv_caches: list[torch.Tensor] = []
 
     def kv_cache_bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return sum(
-            2 * self.block_size * layer.num_kv_heads * layer.head_size * elem
-            for layer in get_attention_layers(self.model)
-        )
+        return kv_cache_bytes_per_block(self.model, self.block_size, self.dtype)
 
     def initialize_kv_cache(self, num_blocks: int, backend: AttentionBackend) -> None:
-        layers = get_attention_layers(self.model)
-        self.kv_caches = [
-            torch.zeros(
-                backend.get_kv_cache_shape(
-                    num_blocks, self.block_size, layer.num_kv_heads, layer.head_size
-                ),
-                dtype=self.dtype,
-                device=self.device,
-            )
-            for layer in layers
-        ]
-        bind_kv_caches(self.model, self.kv_caches, backend)
+        self.kv_caches = allocate_kv_caches(
+            self.model, backend, num_blocks, self.block_size, self.dtype, self.device
+        )
         self.backend = backend
 
     def attention_metadata(
@@ -282,24 +269,8 @@ def checkpoint_tensor_names(model_dir: str) -> set[str]:
 def load_head(
     build: Callable[[], nn.Module], model_dir: str, dtype: torch.dtype, device: torch.device
 ) -> nn.Module:
-    """Build a head module in `dtype` on `device` (parameters allocated in place), stream the
-    checkpoint into its `load_weights`, check nothing is missing, run the layers'
-    `process_weights_after_loading` hooks. The head's `load_weights(weights)` returns the
-    names of the parameters it filled."""
-    from pagedllm.models.loader import default_dtype, iterate_weights
+    """A draft head (EAGLE, Medusa) built by `build` and loaded from `model_dir`
+    (`models.loader.load_module`)."""
+    from pagedllm.models.loader import load_module
 
-    with default_dtype(dtype), device:
-        module = build()
-    with torch.no_grad():
-        loaded = module.load_weights(iterate_weights(model_dir))
-    missing = sorted(name for name, _ in module.named_parameters() if name not in loaded)
-    if missing:
-        raise ValueError(
-            f"speculative_config.model={model_dir!r} has no weights for {type(module).__name__} "
-            f"parameters {missing[:10]}"
-        )
-    for sub in module.modules():
-        hook = getattr(sub, "process_weights_after_loading", None)
-        if hook is not None:
-            hook()
-    return module.eval()
+    return load_module(build, model_dir, dtype, device, f"speculative_config.model={model_dir!r}")

@@ -19,7 +19,11 @@ import numpy as np
 import torch
 
 from pagedllm.attention.backend import CommonAttentionMetadata
-from pagedllm.attention.layer import Attention
+from pagedllm.attention.layer import (
+    allocate_kv_caches,
+    get_attention_layers,
+    kv_cache_bytes_per_block,
+)
 from pagedllm.attention.selector import get_attn_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched.output import SchedulerOutput
@@ -91,7 +95,6 @@ class ModelRunner:
         self.sampler = Sampler()
         self.attn_backend = get_attn_backend(device)
         self.model: torch.nn.Module | None = None
-        self.attn_layers: list[Attention] = []
         self.kv_caches: list[torch.Tensor] = []
         # Speculative decoding (spec_decode/): a proposer drafts, the RejectionSampler verifies.
         spec = get_speculative_config(config)
@@ -104,33 +107,22 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self.model = get_model(self.config)
-        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        if not self.attn_layers:
+        if not get_attention_layers(self.model):
             raise RuntimeError("the model has no Attention layers to bind a KV cache to")
         if self.drafter is not None:
             self.drafter.load_model(self.model)
 
     def kv_cache_bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        per_layer = sum(
-            2 * self.block_size * layer.num_kv_heads * layer.head_size * elem
-            for layer in self.attn_layers
-        )
+        per_layer = kv_cache_bytes_per_block(self.model, self.block_size, self.dtype)
         if self.drafter is not None:  # a draft model / EAGLE head keeps its own KV per block
             per_layer += self.drafter.kv_cache_bytes_per_block()
         return per_layer
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate one paged KV tensor per attention layer and bind it to the layer."""
-        self.kv_caches = []
-        for layer in self.attn_layers:
-            shape = self.attn_backend.get_kv_cache_shape(
-                num_blocks, self.block_size, layer.num_kv_heads, layer.head_size
-            )
-            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.kv_cache = cache
-            layer.backend = self.attn_backend
-            self.kv_caches.append(cache)
+        self.kv_caches = allocate_kv_caches(
+            self.model, self.attn_backend, num_blocks, self.block_size, self.dtype, self.device
+        )
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks, self.attn_backend)
 

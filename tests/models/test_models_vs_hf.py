@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagedllm.attention.backend import CommonAttentionMetadata
-from pagedllm.attention.layer import bind_kv_caches, get_attention_layers
+from pagedllm.attention.layer import allocate_kv_caches
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 from pagedllm.models.loader import get_model
 from pagedllm.testing.demo_model import TINY_ARCH_OVERRIDES
@@ -28,16 +28,9 @@ class PagedBatchRunner:
     def __init__(self, model: torch.nn.Module, num_reqs: int) -> None:
         self.model = model
         self.backend = TorchAttentionBackend()
-        caches = [
-            torch.zeros(
-                self.backend.get_kv_cache_shape(
-                    NUM_BLOCKS, BLOCK_SIZE, layer.num_kv_heads, layer.head_size
-                ),
-                dtype=torch.float32,
-            )
-            for layer in get_attention_layers(model)
-        ]
-        bind_kv_caches(model, caches, self.backend)
+        allocate_kv_caches(
+            model, self.backend, NUM_BLOCKS, BLOCK_SIZE, torch.float32, torch.device("cpu")
+        )
         # Hand blocks out from the top of the pool so block ids differ from request order.
         self.free_blocks = list(range(NUM_BLOCKS))
         self.blocks: list[list[int]] = [[] for _ in range(num_reqs)]

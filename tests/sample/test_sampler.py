@@ -45,8 +45,6 @@ def _seeded_gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-
-
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)
@@ -71,7 +69,10 @@ def test_input_logits_unchanged():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"temperature": 0.7}, {"temperature": 0.9, "top_p": 0.6, "top_k": 20, "presence_penalty": 0.5}],
+    [
+        {"temperature": 0.7},
+        {"temperature": 0.9, "top_p": 0.6, "top_k": 20, "presence_penalty": 0.5},
+    ],
 )
 def test_overwrite_gives_the_same_tokens(kwargs):
     """Handing the logits over (`overwrite=True`, the runner's call) changes nothing but the
