@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.testing.demo_model import add_cli_args, make_demo_model, parse_overrides
+from pagedllm.testing.demo_model import add_cli_args, demo_model_kwargs, make_demo_model
 
 MAX_PERIOD = 24  # from this position on, every row of a periodic batch can be copied
 
@@ -134,16 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=3e-3)
     args = parser.parse_args(argv)
     path, loss = train_copy_model(
-        args.path,
-        steps=args.steps,
-        alphabet=args.alphabet,
-        lr=args.lr,
-        seed=args.seed,
-        dtype=args.dtype,
-        architecture=args.architecture,
-        preset=args.preset,
-        max_shard_size=args.max_shard_size,
-        **parse_overrides(args.override),
+        args.path, steps=args.steps, alphabet=args.alphabet, lr=args.lr, **demo_model_kwargs(args)
     )
     print(f"{path}: copy loss {loss:.3f} nats/token after {args.steps} steps")
     return 0

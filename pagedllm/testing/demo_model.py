@@ -340,7 +340,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def parse_overrides(items: list[str]) -> dict[str, Any]:
+def _parse_overrides(items: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -353,17 +353,21 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def run_from_args(args: argparse.Namespace) -> int:
-    """Run `pagedllm make-demo-model` with parsed arguments; prints the directory written."""
-    path = make_demo_model(
-        args.path,
+def demo_model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """`make_demo_model` keyword arguments from the options of `add_cli_args`."""
+    return dict(
         architecture=args.architecture,
         preset=args.preset,
         seed=args.seed,
         dtype=args.dtype,
         max_shard_size=args.max_shard_size,
-        **parse_overrides(args.override),
+        **_parse_overrides(args.override),
     )
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run `pagedllm make-demo-model` with parsed arguments; prints the directory written."""
+    path = make_demo_model(args.path, **demo_model_kwargs(args))
     print(f"wrote {args.architecture} ({args.preset}) checkpoint to {path}")
     return 0
 
