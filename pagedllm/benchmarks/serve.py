@@ -301,7 +301,8 @@ def format_results(
 
 def main(args: argparse.Namespace) -> int:
     import httpx
-    from transformers import AutoTokenizer
+
+    from pagedllm.transformers_utils.tokenizer import get_tokenizer
 
     _validate(args)
     # httpx logs every request at INFO, which would bury the progress bar.
@@ -315,9 +316,7 @@ def main(args: argparse.Namespace) -> int:
         model_id = asyncio.run(_list_first_model(httpx, base_url))
     model_name = args.served_model_name or model_id
     tokenizer_id = args.tokenizer or model_id
-    tokenizer = AutoTokenizer.from_pretrained(
-        tokenizer_id, trust_remote_code=args.trust_remote_code
-    )
+    tokenizer = get_tokenizer(tokenizer_id, args.trust_remote_code)
     requests = get_requests(args, tokenizer)
     if args.endpoint == "/v1/chat/completions":
         # Chat messages are text: random token-id prompts go as their decoded text (as in

@@ -64,12 +64,11 @@ def plan_hf_batches(
 
 
 def _load_tokenizer_and_vocab(args: argparse.Namespace) -> tuple[Any, int]:
-    from transformers import AutoConfig, AutoTokenizer
+    from pagedllm.transformers_utils.config import get_hf_config
+    from pagedllm.transformers_utils.tokenizer import get_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(
-        args.tokenizer or args.model, trust_remote_code=args.trust_remote_code
-    )
-    hf_config = AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    tokenizer = get_tokenizer(args.tokenizer or args.model, args.trust_remote_code)
+    hf_config = get_hf_config(args.model, args.trust_remote_code)
     vocab = min(len(tokenizer), getattr(hf_config, "vocab_size", None) or len(tokenizer))
     return tokenizer, vocab
 
@@ -118,11 +117,12 @@ def run_hf(
     """transformers' batched `generate` over the same requests (see the module docstring)."""
     import torch
     from tqdm import tqdm
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from pagedllm.benchmarks.memory import peak_rss_mib
+    from pagedllm.transformers_utils.config import get_hf_config
 
-    hf_config = AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    hf_config = get_hf_config(args.model, args.trust_remote_code)
     device, dtype = _hf_device_and_dtype(args, hf_config)
     model = AutoModelForCausalLM.from_pretrained(
         args.model, dtype=dtype, trust_remote_code=args.trust_remote_code
