@@ -24,10 +24,8 @@ from torch import nn
 
 from pagedllm.spec_decode.proposer import (
     DraftBatch,
-    DraftSampler,
     PagedModelProposer,
     Proposal,
-    draft_limits,
     gather_token_ids,
 )
 
@@ -46,24 +44,13 @@ class DraftModelProposer(PagedModelProposer):
         sampled = np.zeros(len(states), dtype=np.int64)
         sampled[idx] = 1
         counts = batch.num_valid + sampled  # [B] rows of the first pass
-        table = batch.block_table
-        meta, positions = self.attention_metadata(table, batch.start, counts)
+        meta, positions = self.attention_metadata(batch.block_table, batch.start, counts)
         input_ids = torch.from_numpy(gather_token_ids(states, batch.start, counts))
         hidden = self.model(input_ids.to(self.device), positions, meta)  # [N, hidden]
-        if idx.size == 0:
-            return Proposal([])
-        sample_states = [states[i] for i in idx.tolist()]
-        limits = draft_limits(sample_states, self.k)
-        draw = DraftSampler(sample_states, limits, self.device)
-        last_rows = torch.from_numpy(np.cumsum(counts)[idx] - 1).to(self.device)
-        token = draw(self.model.compute_logits(hidden[last_rows]))  # [S]
-        drafts = [token]
-        next_pos = batch.start[idx] + counts[idx]  # [S] position of d_1
-        sub_table = table[idx]
-        ones = np.ones(len(idx), dtype=np.int64)
-        for j in range(1, max(limits, default=0)):
-            meta, positions = self.attention_metadata(sub_table, next_pos + (j - 1), ones)
-            hidden = self.model(token, positions, meta)  # [S, hidden]
-            token = draw(self.model.compute_logits(hidden))
-            drafts.append(token)
-        return draw.proposal(drafts)
+        return self.draft(
+            batch,
+            counts,
+            hidden,
+            self.model.compute_logits,
+            lambda token, _, positions, meta: self.model(token, positions, meta),
+        )

@@ -46,11 +46,9 @@ from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbeddi
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM, get_head_dim
 from pagedllm.spec_decode.proposer import (
     DraftBatch,
-    DraftSampler,
     PagedModelProposer,
     Proposal,
     checkpoint_tensor_names,
-    draft_limits,
     gather_token_ids,
     load_head,
 )
@@ -187,32 +185,22 @@ class EagleProposer(PagedModelProposer):
         return self.target.compute_logits(features)
 
     def propose(self, batch: DraftBatch) -> Proposal:
-        states, idx = batch.states, batch.sample_idx
+        states = batch.states
         counts = batch.num_valid  # [B] rows: every position whose target KV is valid
         # Row at position p pairs the target's feature f_p with token t_{p+1}.
         token_ids = gather_token_ids(states, batch.start + 1, counts)
         offsets = np.cumsum(counts) - counts
         rows = np.repeat(batch.row_start - offsets, counts) + np.arange(int(counts.sum()))
         features = batch.hidden[torch.from_numpy(rows).to(self.device)]
-        table = batch.block_table
-        meta, positions = self.attention_metadata(table, batch.start, counts)
+        meta, positions = self.attention_metadata(batch.block_table, batch.start, counts)
         embeds = self._embed(torch.from_numpy(token_ids).to(self.device))
         out = self.model(embeds, features, positions, meta)  # [N, H]
-        if idx.size == 0:
-            return Proposal([])
-        sample_states = [states[i] for i in idx.tolist()]
-        limits = draft_limits(sample_states, self.k)
-        draw = DraftSampler(sample_states, limits, self.device)
-        last = torch.from_numpy(np.cumsum(counts)[idx] - 1).to(self.device)
-        feature = out[last]  # [S, H]
-        token = draw(self._logits(feature))  # [S]
-        drafts = [token]
-        next_pos = batch.start[idx] + counts[idx]  # [S] position of the row (f', d_1)
-        sub_table = table[idx]
-        ones = np.ones(len(idx), dtype=np.int64)
-        for j in range(1, max(limits, default=0)):
-            meta, positions = self.attention_metadata(sub_table, next_pos + (j - 1), ones)
-            feature = self.model(self._embed(token), feature, positions, meta)
-            token = draw(self._logits(feature))
-            drafts.append(token)
-        return draw.proposal(drafts)
+        return self.draft(
+            batch,
+            counts,
+            out,
+            self._logits,
+            lambda token, feature, positions, meta: self.model(
+                self._embed(token), feature, positions, meta
+            ),
+        )

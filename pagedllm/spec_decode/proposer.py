@@ -143,6 +143,37 @@ class PagedModelProposer(Proposer):
         )
         return self.backend.build_metadata(common), torch.from_numpy(positions).to(self.device)
 
+    def draft(
+        self,
+        batch: DraftBatch,
+        counts: np.ndarray,
+        first_out: torch.Tensor,
+        logits_fn: Callable[[torch.Tensor], torch.Tensor],
+        step_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor],
+    ) -> Proposal:
+        """The drafts, after a first pass over `counts [B]` rows per request whose outputs are
+        `first_out [N, H]`: draft 1 comes from each sampling request's last row, drafts 2..k
+        from one-row passes `step_fn(tokens, previous outputs, positions, metadata)`;
+        `logits_fn` maps outputs to draft logits."""
+        idx = batch.sample_idx
+        if idx.size == 0:
+            return Proposal([])
+        sample_states = [batch.states[i] for i in idx.tolist()]
+        limits = draft_limits(sample_states, self.k)
+        draw = DraftSampler(sample_states, limits, self.device)
+        out = first_out[torch.from_numpy(np.cumsum(counts)[idx] - 1).to(self.device)]  # [S, H]
+        token = draw(logits_fn(out))  # [S]
+        drafts = [token]
+        next_pos = batch.start[idx] + counts[idx]  # [S] position of draft 1's row
+        sub_table = batch.block_table[idx]
+        ones = np.ones(len(idx), dtype=np.int64)
+        for j in range(1, max(limits, default=0)):
+            meta, positions = self.attention_metadata(sub_table, next_pos + (j - 1), ones)
+            out = step_fn(token, out, positions, meta)
+            token = draw(logits_fn(out))
+            drafts.append(token)
+        return draw.proposal(drafts)
+
 
 def gather_token_ids(states: list[Any], first: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """Concatenate `states[i].token_ids[first[i] : first[i] + counts[i]]` -> [sum] int64."""
