@@ -94,13 +94,37 @@ UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 END_OF_TURN_ID = SPECIAL_TOKENS.index("<|end|>")
 
 # Each message as <|role|>\ncontent<|end|>\n after one BOS; the reply opens with <|assistant|>.
+# Hermes-style tool use (as Qwen's templates render it): `tools` become a system block of
+# <tools> JSON lines; an assistant message's `tool_calls` follow its content, one
+# <tool_call>{"name": ..., "arguments": ...}</tool_call> each; a tool result is a `tool`
+# message. `enable_thinking=False` (a chat_template_kwargs entry) closes an empty think block
+# in the prompt, as Qwen3's template does, so the reply starts after the reasoning.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}"
+    "{{ '<|system|>\\n# Tools\\n<tools>\\n' }}"
+    "{% for tool in tools %}{{ (tool.function if tool.function is defined else tool) | tojson }}"
+    "{{ '\\n' }}{% endfor %}"
+    "{{ '</tools>\\nCall a tool with <tool_call>\\n{\"name\": NAME, \"arguments\": ARGS}"
+    "\\n</tool_call><|end|>\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|end|>\\n' }}"
+    "{{ '<|' + message['role'] + '|>\\n' + (message['content'] or '') }}"
+    "{% for call in message.tool_calls or [] %}"
+    "{% set fn = call.function if call.function is defined else call %}"
+    "{{ '<tool_call>\\n{\"name\": \"' + fn.name + '\", \"arguments\": ' }}"
+    "{{ (fn.arguments if fn.arguments is string else fn.arguments | tojson) + '}\\n</tool_call>' }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+    "{{ '<|end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    "{% endif %}"
 )
+# Tokens that reasoning and tool-call parsers look for, as real checkpoints have them:
+# single added tokens that are not special (they survive skip_special_tokens).
+THINK_AND_TOOL_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
 
 _CORPUS = """\
 The engine keeps a small pool of memory blocks and hands them out as requests grow.
@@ -139,8 +163,9 @@ def _corpus_lines() -> list[str]:
 
 
 @functools.lru_cache(maxsize=8)
-def _tokenizer_json(vocab_size: int) -> str:
-    """Train the byte-level BPE tokenizer with exactly `vocab_size` tokens; returns its JSON.
+def _tokenizer_json(vocab_size: int, added_tokens: tuple[str, ...] = ()) -> str:
+    """Train the byte-level BPE tokenizer with exactly `vocab_size` tokens, the last ones
+    `added_tokens` (single, non-special tokens); returns its JSON.
 
     Cached per process (tests build many models with the same vocabulary); the JSON string is
     immutable, so every caller gets an independent tokenizer object built from it.
@@ -149,7 +174,7 @@ def _tokenizer_json(vocab_size: int) -> str:
     from tokenizers.trainers import BpeTrainer
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    minimum = len(alphabet) + len(SPECIAL_TOKENS)
+    minimum = len(alphabet) + len(SPECIAL_TOKENS) + len(added_tokens)
     if vocab_size < minimum:
         raise ValueError(
             f"vocab_size={vocab_size} is too small; a byte-level BPE needs >= {minimum}"
@@ -157,19 +182,21 @@ def _tokenizer_json(vocab_size: int) -> str:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    trained_size = vocab_size - len(added_tokens)
     trainer = BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=trained_size,
         min_frequency=2,
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=alphabet,
         show_progress=False,
     )
     tok.train_from_iterator(_corpus_lines(), trainer)
-    missing = vocab_size - tok.get_vocab_size()
+    missing = trained_size - tok.get_vocab_size()
     if missing > 0:
         tok.add_special_tokens(
             [AddedToken(f"<extra_{i}>", special=True, normalized=False) for i in range(missing)]
         )
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS_ID)]
     )
@@ -177,13 +204,16 @@ def _tokenizer_json(vocab_size: int) -> str:
     return tok.to_str()
 
 
-def build_tokenizer(vocab_size: int, model_max_length: int = 4096) -> Any:
-    """A `PreTrainedTokenizerFast` with exactly `vocab_size` tokens and a chat template."""
+def build_tokenizer(
+    vocab_size: int, model_max_length: int = 4096, added_tokens: tuple[str, ...] = ()
+) -> Any:
+    """A `PreTrainedTokenizerFast` with exactly `vocab_size` tokens and a chat template;
+    `added_tokens` (e.g. THINK_AND_TOOL_TOKENS) are the last ids, one token each."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_tokenizer_json(vocab_size)),
+        tokenizer_object=Tokenizer.from_str(_tokenizer_json(vocab_size, tuple(added_tokens))),
         bos_token="<s>",
         eos_token="</s>",
         unk_token="<unk>",
@@ -279,6 +309,7 @@ def make_demo_model(
     seed: int = 0,
     dtype: str = "float32",
     max_shard_size: int | str | None = None,
+    added_tokens: tuple[str, ...] = (),
     **overrides: Any,
 ) -> str:
     """Write a complete random-weight checkpoint (weights, config, generation config and
@@ -287,7 +318,8 @@ def make_demo_model(
     `preset`: "tiny" (default), "demo" or "llama-125m"; `**overrides` set any transformers
     config field (e.g. `rope_scaling`/`rope_parameters`, `head_dim`, `tie_word_embeddings`,
     `num_key_value_heads`, `vocab_size`). `max_shard_size` (e.g. "200KB") splits the weights
-    into several safetensors files with an index.
+    into several safetensors files with an index. `added_tokens` end the tokenizer's
+    vocabulary as single non-special tokens (e.g. THINK_AND_TOOL_TOKENS).
     """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -296,7 +328,9 @@ def make_demo_model(
         raise ValueError(f"dtype={dtype!r} must be 'float32', 'bfloat16' or 'float16'")
     config = build_hf_config(architecture, preset, dtype, **overrides)
     # The tokenizer first: it validates vocab_size before anything is written.
-    tokenizer = build_tokenizer(config.vocab_size, config.max_position_embeddings)
+    tokenizer = build_tokenizer(
+        config.vocab_size, config.max_position_embeddings, tuple(added_tokens)
+    )
     torch.manual_seed(seed)
     with _no_init_weights():  # every parameter is overwritten by _init_weights
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -331,6 +365,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--max-shard-size", default=None, help="split the weights into shards, e.g. 100MB"
     )
     parser.add_argument(
+        "--added-token",
+        action="append",
+        default=[],
+        metavar="TOKEN",
+        help="end the vocabulary with TOKEN as one non-special token, e.g. '<think>' "
+        "(repeatable)",
+    )
+    parser.add_argument(
         "--override",
         action="append",
         default=[],
@@ -361,6 +403,7 @@ def demo_model_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
         dtype=args.dtype,
         max_shard_size=args.max_shard_size,
+        added_tokens=tuple(args.added_token),
         **_parse_overrides(args.override),
     )
 
