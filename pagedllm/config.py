@@ -207,6 +207,14 @@ class DeviceConfig:
 
 
 @dataclass
+class StructuredOutputsConfig:
+    """Structured outputs in the engine core. With a `reasoning_parser` (vLLM's
+    `--reasoning-parser`), a request's grammar applies only after its reasoning ends."""
+
+    reasoning_parser: str | None = None
+
+
+@dataclass
 class EngineConfig:
     """Everything the engine needs, built once by `EngineArgs.create_engine_config()`."""
 
@@ -216,6 +224,9 @@ class EngineConfig:
     parallel_config: ParallelConfig
     device_config: DeviceConfig
     enforce_eager: bool = False
+    structured_outputs_config: StructuredOutputsConfig = field(
+        default_factory=StructuredOutputsConfig
+    )
     # Later features hang their own sub-config here (speculative, structured outputs, kv transfer).
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -19,6 +19,7 @@ from pagedllm.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
     resolve_dtype,
 )
 
@@ -54,6 +55,7 @@ class EngineArgs:
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     speculative_config: dict[str, Any] | None = None
+    reasoning_parser: str | None = None
     disable_log_stats: bool = False
 
     @classmethod
@@ -128,6 +130,10 @@ class EngineArgs:
             extra["speculative_config"] = SpeculativeConfig.from_dict(
                 self.speculative_config, model_config
             )
+        if self.reasoning_parser is not None:
+            from pagedllm.reasoning import ReasoningParserManager
+
+            ReasoningParserManager.get_reasoning_parser(self.reasoning_parser)  # known name
         return EngineConfig(
             model_config=model_config,
             cache_config=cache_config,
@@ -135,6 +141,7 @@ class EngineArgs:
             parallel_config=parallel_config,
             device_config=device_config,
             enforce_eager=self.enforce_eager,
+            structured_outputs_config=StructuredOutputsConfig(self.reasoning_parser),
             extra=extra,
         )
 
@@ -208,5 +215,7 @@ _HELP = {
     "num_gpu_blocks_override": "Number of KV blocks, overriding the computed one.",
     "scheduling_policy": "fcfs or priority (lower value first).",
     "device": "auto, cpu or cuda.",
+    "reasoning_parser": "Split reasoning from content (deepseek_r1, qwen3); structured "
+    "outputs apply after the reasoning.",
     "speculative_config": 'JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'.',
 }

@@ -67,7 +67,8 @@ class ReasoningParser:
         current_token_ids: Sequence[int],
         delta_token_ids: Sequence[int],
     ) -> ReasoningDelta | None:
-        """What `delta_text` adds to reasoning and content (None: nothing to send yet)."""
+        """What `delta_text` adds to reasoning and content (None: nothing to send yet). Called
+        while the reasoning is not over; a result whose content is not None ends it."""
         raise NotImplementedError
 
 

@@ -23,15 +23,15 @@ class BaseThinkingReasoningParser(ReasoningParser):
 
     def __init__(self, tokenizer: Any, chat_template_kwargs: dict[str, Any] | None = None):
         super().__init__(tokenizer, chat_template_kwargs)
-        vocab = tokenizer.get_vocab()
-        missing = [t for t in (self.start_token, self.end_token) if t not in vocab]
+        ids = tokenizer.convert_tokens_to_ids([self.start_token, self.end_token])
+        found = tokenizer.convert_ids_to_tokens([i if i is not None else 0 for i in ids])
+        missing = [t for t, f in zip((self.start_token, self.end_token), found) if t != f]
         if missing:
             raise ValueError(
                 f"{type(self).__name__} needs the tokens {missing} in the tokenizer's "
                 "vocabulary; this model does not use them"
             )
-        self.start_token_id = vocab[self.start_token]
-        self.end_token_id = vocab[self.end_token]
+        self.start_token_id, self.end_token_id = ids
 
     def is_reasoning_end(self, input_ids: Sequence[int]) -> bool:
         # The last marker decides: a prompt may hold earlier turns' closed think blocks.
@@ -68,15 +68,13 @@ class BaseThinkingReasoningParser(ReasoningParser):
         current_token_ids: Sequence[int],
         delta_token_ids: Sequence[int],
     ) -> ReasoningDelta | None:
-        """Call while `previous_text` is still reasoning (it holds no end marker); once a
-        delta returns content, the rest of the output is content."""
+        """Call while `previous_text` is still reasoning (it holds no end marker). The
+        result's content is not None (maybe "") once the end marker has been read; from then
+        on the rest of the output is content."""
         # The marker can newly appear only in the delta (or straddle into it).
         at = current_text.find(self.end_token, max(0, len(previous_text) - len(self.end_token)))
         if at < 0:
             reasoning = self._strip_start(delta_text)
             return ReasoningDelta(reasoning, None) if reasoning else None
         reasoning = self._strip_start(current_text[len(previous_text) : at])
-        content = current_text[at + len(self.end_token) :]
-        if not reasoning and not content:
-            return None
-        return ReasoningDelta(reasoning or None, content or None)
+        return ReasoningDelta(reasoning or None, current_text[at + len(self.end_token) :])

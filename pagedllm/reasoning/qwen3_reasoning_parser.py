@@ -8,6 +8,7 @@ output without `</think>` is all content, never reasoning.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from pagedllm.reasoning.basic_parsers import BaseThinkingReasoningParser
@@ -22,6 +23,9 @@ class Qwen3ReasoningParser(BaseThinkingReasoningParser):
     @property
     def thinking_enabled(self) -> bool:
         return bool(self.chat_template_kwargs.get("enable_thinking", True))
+
+    def is_reasoning_end(self, input_ids: Sequence[int]) -> bool:
+        return not self.thinking_enabled or super().is_reasoning_end(input_ids)
 
     def extract_reasoning_content(
         self, model_output: str, request: Any = None

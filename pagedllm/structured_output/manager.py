@@ -21,6 +21,12 @@ so its matcher, which already accepted them, stays where it is. `n > 1` children
 requests with separate matchers over one shared compiled grammar. A partial prefill chunk does
 not sample, so it gets no bitmask row. A request whose grammar is not ready never drafts.
 
+Reasoning models (`reasoning_parser` set, vLLM's `reasoning_end` scheme): a request whose
+prompt leaves it reasoning (`ReasoningParser.is_reasoning_end` is False on the prompt) is not
+constrained until it generates the end-of-reasoning token: it gets no bitmask rows, its drafts
+are cut before that token (so only the step's last, sampled token can end the reasoning), and
+`accept_token` does not advance the matcher until then. The grammar starts at the next token.
+
 The manager is built unconditionally but costs nothing until the first structured request:
 the tokenizer, TokenizerInfo and compiler are created then, on the pool.
 """
@@ -43,6 +49,7 @@ from pagedllm.core.request import Request, RequestStatus
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
     from pagedllm.core.sched.output import SchedulerOutput
+    from pagedllm.reasoning import ReasoningParser
     from pagedllm.structured_output.backend_xgrammar import XgrammarBackend, XgrammarGrammar
 
 logger = logging.getLogger(__name__)
@@ -58,6 +65,7 @@ class _RequestGrammar:
     future: Future
     grammar: XgrammarGrammar | None = None
     error: str | None = None
+    reasoning_ended: bool = True  # False while a reasoning model thinks (unconstrained)
 
 
 class StructuredOutputManager:
@@ -72,6 +80,8 @@ class StructuredOutputManager:
         self.max_workers = max_workers or max(1, min(4, (os.cpu_count() or 2) // 2))
         self._backend: XgrammarBackend | None = None
         self._backend_lock = threading.Lock()
+        self._tokenizer = None
+        self._reasoner: ReasoningParser | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._compiled: OrderedDict[tuple, Future] = OrderedDict()
         self._requests: dict[str, _RequestGrammar] = {}
@@ -84,17 +94,37 @@ class StructuredOutputManager:
         with self._backend_lock:
             if self._backend is None:
                 from pagedllm.structured_output.backend_xgrammar import XgrammarBackend
-                from pagedllm.transformers_utils.tokenizer import get_tokenizer
 
-                mc = self.config.model_config
-                tokenizer = get_tokenizer(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
-                stops = list(mc.eos_token_ids)
+                tokenizer = self._get_tokenizer()
+                stops = list(self.config.model_config.eos_token_ids)
                 if tokenizer.eos_token_id is not None:
                     stops.append(tokenizer.eos_token_id)
                 self._backend = XgrammarBackend(
                     tokenizer, self.vocab_size, stops, max_threads=self.max_workers
                 )
             return self._backend
+
+    def _get_tokenizer(self):
+        if self._tokenizer is None:  # callers hold _backend_lock
+            from pagedllm.transformers_utils.tokenizer import get_tokenizer
+
+            mc = self.config.model_config
+            self._tokenizer = get_tokenizer(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
+        return self._tokenizer
+
+    @property
+    def reasoner(self) -> ReasoningParser | None:
+        """The configured reasoning parser (None without one), built on first use."""
+        name = self.config.structured_outputs_config.reasoning_parser
+        if name is None:
+            return None
+        with self._backend_lock:
+            if self._reasoner is None:
+                from pagedllm.reasoning import ReasoningParserManager
+
+                cls = ReasoningParserManager.get_reasoning_parser(name)
+                self._reasoner = cls(self._get_tokenizer())
+            return self._reasoner
 
     def _compile_async(self, request: Request) -> Future:
         spec = request.sampling_params.structured_outputs
@@ -121,6 +151,9 @@ class StructuredOutputManager:
         if request.sampling_params.structured_outputs is None:
             return
         state = _RequestGrammar(future=self._compile_async(request))
+        reasoner = self.reasoner
+        if reasoner is not None:
+            state.reasoning_ended = reasoner.is_reasoning_end(request.prompt_token_ids)
         self._requests[request.request_id] = state
         request.status = RequestStatus.WAITING_FOR_FSM
         self.is_ready(request)
@@ -166,7 +199,8 @@ class StructuredOutputManager:
         rows: dict[str, int] = {}
         num_rows = 0
         for req_id, num_tokens in output.num_scheduled_tokens.items():
-            if req_id not in self._requests:
+            state = self._requests.get(req_id)
+            if state is None or not state.reasoning_ended:
                 continue
             request = requests[req_id]
             if request.num_computed_tokens + num_tokens < request.num_tokens:
@@ -190,12 +224,17 @@ class StructuredOutputManager:
     def validate_tokens(self, request_id: str, token_ids: list[int]) -> list[int]:
         """The drafts worth scheduling for a request: the longest prefix of `token_ids` its
         grammar accepts; all of them for an unconstrained request; none while its grammar
-        is not ready (or failed)."""
+        is not ready (or failed); while it reasons, those before the end of reasoning."""
         state = self._requests.get(request_id)
         if state is None:
             return token_ids
         if state.grammar is None:
             return []
+        if not state.reasoning_ended:
+            for i, token_id in enumerate(token_ids):
+                if self.reasoner.is_reasoning_end_streaming((), (token_id,)):
+                    return token_ids[:i]
+            return token_ids
         return state.grammar.validate_tokens(token_ids)
 
     def _fill_stop_only(self, bitmask: torch.Tensor, row: int, request: Request) -> None:
@@ -218,6 +257,10 @@ class StructuredOutputManager:
         state = self._requests.get(request.request_id)
         if state is None:
             return False
+        if not state.reasoning_ended:
+            ids = request.all_token_ids
+            state.reasoning_ended = self.reasoner.is_reasoning_end_streaming(ids, (token_id,))
+            return False  # the grammar starts with the next token
         grammar = state.grammar
         if grammar is None:
             ended = True

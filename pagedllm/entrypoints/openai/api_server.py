@@ -200,7 +200,13 @@ def init_app_state(app: FastAPI, engine: AsyncLLM, args: argparse.Namespace) -> 
     state.max_model_len = mc.max_model_len
     state.chat_template = load_chat_template(getattr(args, "chat_template", None))
     state.serving_completion = OpenAIServingCompletion(engine, names)
-    state.serving_chat = OpenAIServingChat(engine, names)
+    state.serving_chat = OpenAIServingChat(
+        engine,
+        names,
+        enable_auto_tools=getattr(args, "enable_auto_tool_choice", False),
+        tool_call_parser=getattr(args, "tool_call_parser", None),
+        reasoning_parser=engine.config.structured_outputs_config.reasoning_parser,
+    )
     state.serving_tokenization = OpenAIServingTokenization(engine, names)
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
 API_KEY_ENV = "PAGEDLLM_API_KEY"
 
 
@@ -42,6 +44,19 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=str,
         default=None,
         help="A Jinja chat template, or a file holding one (default: the tokenizer's).",
+    )
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='Let the model decide when to call tools (tool_choice "auto"); needs '
+        "--tool-call-parser.",
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        type=str,
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="How the model writes tool calls, read for tool_choice \"auto\".",
     )
     group.add_argument("--ssl-keyfile", type=str, default=None, help="TLS key file.")
     group.add_argument("--ssl-certfile", type=str, default=None, help="TLS certificate file.")

@@ -14,7 +14,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagedllm.entrypoints.openai.protocol_tools import (
+    ChatCompletionToolsParam,
+    DeltaToolCall,
+    ToolCall,
+    ToolChoice,
+)
 from pagedllm.entrypoints.openai.structured_outputs import StructuredOutputsRequestMixin
+from pagedllm.entrypoints.openai.tool_choice import effective_tool_choice, tool_choice_json_schema
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -235,6 +242,17 @@ class ChatCompletionRequest(SamplingRequestMixin):
     add_special_tokens: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # Tools (see tool_choice.py) and reasoning output.
+    tools: list[ChatCompletionToolsParam] | None = None
+    tool_choice: ToolChoice = None
+    parallel_tool_calls: bool | None = True
+    include_reasoning: bool = True
+
+    def to_structured_outputs(self, implied=None):
+        """A "required" or named tool choice constrains the output like a JSON schema."""
+        choice = effective_tool_choice(self.tools, self.tool_choice)
+        schema = tool_choice_json_schema(self.tools, choice, self.parallel_tool_calls is not False)
+        return super().to_structured_outputs({"tool_choice": {"json": schema}} if schema else None)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -254,6 +272,9 @@ class ChatCompletionRequest(SamplingRequestMixin):
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM's newer name of reasoning_content
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionLogProb(OpenAIBaseModel):
@@ -291,6 +312,9 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
@@ -329,6 +353,7 @@ class TokenizeChatRequest(OpenAIBaseModel):
     return_token_strs: bool | None = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatCompletionToolsParam] | None = None
 
 
 class TokenizeResponse(OpenAIBaseModel):

@@ -1,6 +1,8 @@
-"""`POST /v1/chat/completions`: messages rendered through the tokenizer's chat template, one
-engine request with `n` choices. A stream sends, per choice, a role delta first, then content
-deltas, the finish reason on the last delta, then (if asked) a usage chunk, then `[DONE]`."""
+"""`POST /v1/chat/completions`: messages (and tools) rendered through the tokenizer's chat
+template, one engine request with `n` choices. A stream sends, per choice, a role delta first,
+then content deltas (reasoning and tool-call deltas where a parser splits them out, see
+chat_output.py), the finish reason on the last delta, then (if asked) a usage chunk, then
+`[DONE]`."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
+from pagedllm.entrypoints.openai.chat_output import ChatOutputParser
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -20,7 +23,10 @@ from pagedllm.entrypoints.openai.protocol import (
     random_uuid,
 )
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, make_usage
+from pagedllm.entrypoints.openai.tool_choice import history_for_template, select_tool_parser
+from pagedllm.entrypoints.openai.tool_parsers import ToolParser, ToolParserManager
 from pagedllm.outputs import RequestOutput
+from pagedllm.reasoning import ReasoningParser, ReasoningParserManager
 
 
 def _flatten_content(content: Any) -> str:
@@ -44,7 +50,60 @@ def _flatten_content(content: Any) -> str:
 
 class OpenAIServingChat(OpenAIServing):
     """Chat handler. `create_chat_completion` returns a `ChatCompletionResponse`, or for
-    `stream=true` an async generator of server-sent-event strings ending in `[DONE]`."""
+    `stream=true` an async generator of server-sent-event strings ending in `[DONE]`.
+    `tool_call_parser` (with `enable_auto_tools`) reads "auto" tool calls; `reasoning_parser`
+    splits reasoning from content."""
+
+    def __init__(
+        self,
+        engine: Any,
+        served_model_names: list[str],
+        *,
+        enable_auto_tools: bool = False,
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
+    ) -> None:
+        super().__init__(engine, served_model_names)
+        self.auto_tool_parser: ToolParser | None = None
+        if enable_auto_tools:
+            if tool_call_parser is None:
+                raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+            cls = ToolParserManager.get_tool_parser(tool_call_parser)
+            self.auto_tool_parser = cls(self.tokenizer)
+        self.reasoning_parser_cls: type[ReasoningParser] | None = None
+        if reasoning_parser is not None:
+            self.reasoning_parser_cls = ReasoningParserManager.get_reasoning_parser(
+                reasoning_parser
+            )
+            self.reasoning_parser_cls(self.tokenizer)  # the tokenizer must have its tokens
+
+    def output_parsers(
+        self, request: Any, prompt_token_ids: list[int], tool_parser: ToolParser | None
+    ) -> list[ChatOutputParser]:
+        """One output splitter per choice (reasoning, content, tool calls)."""
+        reasoning = None
+        if self.reasoning_parser_cls is not None:
+            reasoning = self.reasoning_parser_cls(self.tokenizer, request.chat_template_kwargs)
+        max_calls = 1 if request.parallel_tool_calls is False else None
+        return [
+            ChatOutputParser(
+                reasoning, prompt_token_ids, tool_parser, max_calls, request.include_reasoning
+            )
+            for _ in range(request.n)
+        ]
+
+    def request_tool_parser(self, request: Any) -> ToolParser | None:
+        """The parser of this request's tool calls (400 for a tool_choice it cannot honour);
+        the auto parser may adjust the request (keep the special tokens marking calls)."""
+        try:
+            parser = select_tool_parser(
+                request.tools, request.tool_choice, self.tokenizer, self.auto_tool_parser
+            )
+        except ValueError as e:
+            raise OpenAIError(str(e), param="tool_choice") from e
+        if parser is not None and parser is self.auto_tool_parser:
+            parser.adjust_request(request)
+        return parser
 
     def render_messages(
         self,
@@ -53,6 +112,7 @@ class OpenAIServingChat(OpenAIServing):
         continue_final_message: bool = False,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[Any] | None = None,
     ) -> str:
         """The prompt text of a conversation; 400 for malformed messages or no template."""
         if not messages:
@@ -63,7 +123,9 @@ class OpenAIServingChat(OpenAIServing):
                 raise OpenAIError(
                     f"every message needs a string 'role', got {str(m)[:80]!r}", param="messages"
                 )
-            conversation.append({**m, "content": _flatten_content(m.get("content"))})
+            conversation.append(
+                history_for_template({**m, "content": _flatten_content(m.get("content"))})
+            )
         if add_generation_prompt and continue_final_message:
             raise OpenAIError(
                 "add_generation_prompt and continue_final_message cannot both be true"
@@ -75,6 +137,7 @@ class OpenAIServingChat(OpenAIServing):
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 chat_template=chat_template,
+                tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
                 **(chat_template_kwargs or {}),
             )
         except ValueError as e:
@@ -88,12 +151,14 @@ class OpenAIServingChat(OpenAIServing):
         self.check_request(request.model)
         request_id = f"chatcmpl-{request.request_id or request_id or random_uuid()}"
         created = int(time.time())
+        tool_parser = self.request_tool_parser(request)
         prompt_text = self.render_messages(
             request.messages,
             request.add_generation_prompt,
             request.continue_final_message,
             request.chat_template,
             request.chat_template_kwargs,
+            request.tools,
         )
         ids = self.tokenize_text(prompt_text, add_special_tokens=request.add_special_tokens)
         max_tokens = self.resolve_max_tokens(len(ids), request.requested_max_tokens, "messages")
@@ -102,8 +167,9 @@ class OpenAIServingChat(OpenAIServing):
         generator = self.engine.generate(
             engine_prompt, params, request_id, priority=request.priority, processed=processed
         )
+        parsers = self.output_parsers(request, ids, tool_parser)
         if request.stream:
-            return self._stream(request, request_id, created, len(ids), generator)
+            return self._stream(request, request_id, created, len(ids), generator, parsers)
         final: RequestOutput | None = None
         try:
             async for res in generator:
@@ -120,12 +186,20 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs = self.chat_logprobs(
                     list(out.token_ids), out.logprobs, request.top_logprobs or 0
                 )
+            parsed = parsers[out.index].parse(out.text)
+            message = ChatMessage(
+                role="assistant",
+                content=parsed.content,
+                reasoning_content=parsed.reasoning,
+                reasoning=parsed.reasoning,
+                tool_calls=parsed.tool_calls,
+            )
             choices.append(
                 ChatCompletionResponseChoice(
                     index=out.index,
-                    message=ChatMessage(role="assistant", content=out.text),
+                    message=message,
                     logprobs=logprobs,
-                    finish_reason=out.finish_reason,
+                    finish_reason=_finish_reason(out.finish_reason, bool(parsed.tool_calls)),
                     stop_reason=out.stop_reason,
                 )
             )
@@ -141,10 +215,15 @@ class OpenAIServingChat(OpenAIServing):
         created: int,
         num_prompt_tokens: int,
         generator: AsyncGenerator[RequestOutput, None],
+        parsers: list[ChatOutputParser],
     ) -> AsyncGenerator[str, None]:
         def chunk(choices: list, usage: UsageInfo | None = None) -> str:
             response = ChatCompletionStreamResponse(
-                id=request_id, created=created, model=self.model_name, choices=choices
+                id=request_id,
+                object="chat.completion.chunk",
+                created=created,
+                model=self.model_name,
+                choices=choices,
             )
             if usage is not None:
                 response.usage = usage
@@ -165,11 +244,16 @@ class OpenAIServingChat(OpenAIServing):
                         logprobs = self.chat_logprobs(
                             list(out.token_ids), out.logprobs, request.top_logprobs or 0
                         )
+                    delta = parsers[out.index].feed(out.text, out.finish_reason is not None)
+                    if delta is None and logprobs is None and out.finish_reason is None:
+                        continue  # a parser holds the text back (a call marker may follow)
                     choice = ChatCompletionResponseStreamChoice(
                         index=out.index,
-                        delta=DeltaMessage(content=out.text),
+                        delta=delta or DeltaMessage(content=""),
                         logprobs=logprobs,
-                        finish_reason=out.finish_reason,
+                        finish_reason=_finish_reason(
+                            out.finish_reason, parsers[out.index].tools_called
+                        ),
                         stop_reason=out.stop_reason,
                     )
                     usage = None
@@ -184,3 +268,8 @@ class OpenAIServingChat(OpenAIServing):
         finally:
             await generator.aclose()
         yield "data: [DONE]\n\n"
+
+
+def _finish_reason(finish_reason: str | None, tools_called: bool) -> str | None:
+    """OpenAI's "tool_calls" for an output that ended by itself with calls in it."""
+    return "tool_calls" if finish_reason == "stop" and tools_called else finish_reason

@@ -28,6 +28,7 @@ class OpenAIServingTokenization(OpenAIServingChat):
                 request.continue_final_message,
                 request.chat_template,
                 request.chat_template_kwargs,
+                request.tools,
             )
         else:
             text = request.prompt

@@ -59,10 +59,13 @@ class StructuredOutputsRequestMixin(BaseModel):
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
 
-    def to_structured_outputs(self) -> StructuredOutputsParams | None:
-        """The request's constraint, or None. Raises ValueError for conflicting or malformed
-        fields."""
-        constraints: dict[str, dict[str, Any]] = {}
+    def to_structured_outputs(
+        self, implied: dict[str, dict[str, Any]] | None = None
+    ) -> StructuredOutputsParams | None:
+        """The request's constraint, or None. `implied` adds constraints other fields imply
+        (chat's tool_choice: {"tool_choice": {"json": schema}}). Raises ValueError for
+        conflicting or malformed fields."""
+        constraints: dict[str, dict[str, Any]] = dict(implied or {})
         fmt = self.response_format
         if fmt is not None and fmt.type == "json_object":
             constraints["response_format"] = {"json_object": True}
