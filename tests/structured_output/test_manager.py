@@ -313,3 +313,73 @@ def test_drafts_are_cut_to_what_the_grammar_accepts(make_scheduler, tokenizer):
     assert so.scheduled_spec_decode_tokens == {"s": [d], "p": [d, z, ep]}
     assert so.structured_output_request_ids == {"s": 0} and so.grammar_bitmask.shape[0] == 2
     assert d in _allowed(so, "s")
+
+
+# ---- reasoning models: the grammar starts after the reasoning ends --------------------------
+
+
+@pytest.fixture(scope="module")
+def think_model_dir(tmp_path_factory):
+    from pagedllm.testing import make_demo_model
+    from pagedllm.testing.demo_model import THINK_AND_TOOL_TOKENS
+
+    path = tmp_path_factory.mktemp("tiny-think")
+    return make_demo_model(path, preset="tiny", added_tokens=THINK_AND_TOOL_TOKENS)
+
+
+def test_grammar_waits_for_the_end_of_reasoning(think_model_dir, make_engine_config):
+    from pagedllm.transformers_utils.tokenizer import get_tokenizer
+
+    config = make_engine_config(think_model_dir)
+    config.structured_outputs_config.reasoning_parser = "deepseek_r1"
+    config.cache_config.num_blocks = 256
+    manager = StructuredOutputManager(config)
+    scheduler = Scheduler(config, manager)
+    tok = get_tokenizer(think_model_dir)
+    start, end = tok.convert_tokens_to_ids(["<think>", "</think>"])
+
+    def request(req_id: str, prompt_end: list[int]) -> Request:
+        params = SamplingParams(structured_outputs=PERSON, max_tokens=300)
+        params.update_from_generation_config({}, [EOS_ID, END_OF_TURN_ID])
+        return Request(req_id, [20, 30, 40, *prompt_end], params, eos_token_id=EOS_ID)
+
+    thinking = request("think", [start])  # the template opened the think block
+    closed = request("closed", [start, end])  # ... or closed it (enable_thinking=False)
+    for r in (thinking, closed):
+        scheduler.add_request(r)
+    while manager._requests["think"].future.running():
+        time.sleep(0.01)
+    rng = random.Random(0)
+    # While reasoning: no bitmask row, free tokens (here 100, then the end token), and
+    # drafts stop before the end token.
+    for token in (100, 101, end):
+        so, _ = _step(scheduler, rng, forced={"think": token})
+        assert "think" not in (so.structured_output_request_ids or {})
+        assert "closed" in so.structured_output_request_ids
+    assert manager._requests["think"].reasoning_ended
+    assert manager.validate_tokens("think", [5, end, 6]) != [5, end, 6]  # constrained now
+    for _ in range(200):
+        if not scheduler.has_unfinished_requests():
+            break
+        _step(scheduler, rng)
+    assert not scheduler.has_unfinished_requests()
+    output = thinking.output_token_ids
+    assert output[:3] == [100, 101, end]
+    check_json(tok.decode(output[3:], skip_special_tokens=True), PERSON_SCHEMA)
+    check_json(tok.decode(closed.output_token_ids, skip_special_tokens=True), PERSON_SCHEMA)
+
+
+def test_drafts_stop_before_the_end_of_reasoning(think_model_dir, make_engine_config):
+    config = make_engine_config(think_model_dir)
+    config.structured_outputs_config.reasoning_parser = "qwen3"
+    manager = StructuredOutputManager(config)
+    request = _request("r", CHOICE)
+    manager.add_request(request)
+    manager._requests["r"].future.result()
+    manager.is_ready(request)
+    end = manager.reasoner.end_token_id
+    assert manager.validate_tokens("r", [7, 8, end, 9]) == [7, 8]
+    assert manager.validate_tokens("r", [7, 8]) == [7, 8]
+    assert not manager.accept_token(request, 7)
+    assert not manager.accept_token(request, end)
+    assert manager._requests["r"].reasoning_ended

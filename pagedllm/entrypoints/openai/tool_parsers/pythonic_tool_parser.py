@@ -38,8 +38,10 @@ class PythonicToolParser(ToolParser):
     def parse(self, text: str, final: bool) -> ParsedToolCalls:
         body = text.replace(self.start_token, "").replace(self.end_token, "")
         pos = skip_ws(body, 0)
+        if not final and self.start_token.startswith(body[pos:]):
+            return ParsedToolCalls()  # nothing yet, or the start of <|python_start|>
         if pos >= len(body):
-            return ParsedToolCalls(content=text if final else "")
+            return ParsedToolCalls(content=text)
         if body[pos] != "[":
             return ParsedToolCalls(content=text, valid=False)
         result = ParsedToolCalls()
