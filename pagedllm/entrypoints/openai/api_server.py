@@ -37,9 +37,11 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
@@ -105,6 +107,8 @@ def _respond(result: Any) -> Response:
         return Response(status_code=499)
     if isinstance(result, AsyncGenerator):
         return StreamingResponse(result, media_type="text/event-stream")
+    if isinstance(result, dict):
+        return JSONResponse(result)
     return JSONResponse(result.model_dump(exclude_unset=False))
 
 
@@ -150,6 +154,12 @@ def _register_routes(app: FastAPI) -> None:
         if request.chat_template is None:
             request.chat_template = raw_request.app.state.chat_template
         coro = handler.create_chat_completion(request, raw_request.headers.get("X-Request-Id"))
+        return _respond(await with_cancellation(coro, raw_request))
+
+    @app.post("/v1/responses")
+    async def responses(request: ResponsesRequest, raw_request: Request) -> Response:
+        handler: OpenAIServingResponses = raw_request.app.state.serving_responses
+        coro = handler.create_response(request, raw_request.headers.get("X-Request-Id"))
         return _respond(await with_cancellation(coro, raw_request))
 
     @app.post("/tokenize")
@@ -207,6 +217,7 @@ def init_app_state(app: FastAPI, engine: AsyncLLM, args: argparse.Namespace) -> 
         tool_call_parser=getattr(args, "tool_call_parser", None),
         reasoning_parser=engine.config.structured_outputs_config.reasoning_parser,
     )
+    state.serving_responses = OpenAIServingResponses(state.serving_chat, state.chat_template)
     state.serving_tokenization = OpenAIServingTokenization(engine, names)
 
 

@@ -249,10 +249,14 @@ class ChatCompletionRequest(SamplingRequestMixin):
     include_reasoning: bool = True
 
     def to_structured_outputs(self, implied=None):
-        """A "required" or named tool choice constrains the output like a JSON schema."""
+        """A "required" or named tool choice constrains the output to a JSON schema, compact
+        (a weak model cannot wander off into whitespace)."""
         choice = effective_tool_choice(self.tools, self.tool_choice)
         schema = tool_choice_json_schema(self.tools, choice, self.parallel_tool_calls is not False)
-        return super().to_structured_outputs({"tool_choice": {"json": schema}} if schema else None)
+        if schema is None:
+            return super().to_structured_outputs()
+        implied = {"json": schema, "disable_any_whitespace": True}
+        return super().to_structured_outputs({"tool_choice": implied})
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -145,12 +145,12 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as e:  # jinja2 errors from a user-supplied template
             raise OpenAIError(f"chat template failed: {type(e).__name__}: {e}") from e
 
-    async def create_chat_completion(
-        self, request: ChatCompletionRequest, request_id: str | None = None
-    ) -> ChatCompletionResponse | AsyncGenerator[str, None]:
-        self.check_request(request.model)
-        request_id = f"chatcmpl-{request.request_id or request_id or random_uuid()}"
-        created = int(time.time())
+    def start_chat(
+        self, request: ChatCompletionRequest, request_id: str
+    ) -> tuple[AsyncGenerator[RequestOutput, None], list[int], list[ChatOutputParser]]:
+        """Render, tokenize and submit a chat request (400s before anything runs): returns
+        the engine's output generator, the prompt token ids and one output parser per
+        choice. The Responses API shares it."""
         tool_parser = self.request_tool_parser(request)
         prompt_text = self.render_messages(
             request.messages,
@@ -167,7 +167,15 @@ class OpenAIServingChat(OpenAIServing):
         generator = self.engine.generate(
             engine_prompt, params, request_id, priority=request.priority, processed=processed
         )
-        parsers = self.output_parsers(request, ids, tool_parser)
+        return generator, ids, self.output_parsers(request, ids, tool_parser)
+
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest, request_id: str | None = None
+    ) -> ChatCompletionResponse | AsyncGenerator[str, None]:
+        self.check_request(request.model)
+        request_id = f"chatcmpl-{request.request_id or request_id or random_uuid()}"
+        created = int(time.time())
+        generator, ids, parsers = self.start_chat(request, request_id)
         if request.stream:
             return self._stream(request, request_id, created, len(ids), generator, parsers)
         final: RequestOutput | None = None
