@@ -100,3 +100,20 @@ class RemoteServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def stream_chat_chunks(url: str, body: dict) -> list:
+    """POST a streamed chat request and return its chunks, each validated strictly as the
+    SDK's `ChatCompletionChunk` (the `object` field included)."""
+    from openai.types.chat import ChatCompletionChunk
+
+    chunks = []
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream(
+        "POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120
+    ) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(ChatCompletionChunk.model_validate_json(line[6:], strict=True))
+    return chunks

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import jsonschema
 import openai
 import pytest
-from openai.types.chat import ChatCompletionChunk
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from pagedllm.testing.copy_model import train_format_model
 from pagedllm.testing.demo_model import THINK_AND_TOOL_TOKENS, build_tokenizer
-from tests.entrypoints.conftest import API_KEY, RemoteServer
+from tests.entrypoints.conftest import API_KEY, RemoteServer, stream_chat_chunks
 from tests.entrypoints.tool_model import (
     CITIES,
     MODEL_KWARGS,
@@ -74,21 +72,7 @@ def chat(client, messages, **kwargs):
     )
 
 
-def strict_chunks(server, body: dict) -> list[ChatCompletionChunk]:
-    """A chat stream read raw, each chunk validated strictly (object field included)."""
-    chunks = []
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    with httpx.stream(
-        "POST", f"{server.url}/v1/chat/completions", json=body, headers=headers, timeout=60
-    ) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunks.append(ChatCompletionChunk.model_validate_json(line[6:], strict=True))
-    return chunks
-
-
-def assemble(chunks: list[ChatCompletionChunk]) -> dict:
+def assemble(chunks: list) -> dict:
     """A stream's reasoning, content, calls (name, arguments) and finish reason."""
     out = {"reasoning": "", "content": "", "calls": {}, "finish": None}
     for chunk in chunks:
@@ -122,7 +106,7 @@ def test_auto_tool_call_with_reasoning(server, client):
     jsonschema.validate(json.loads(call.function.arguments), WEATHER_SCHEMA)
     body = {"model": MODEL, "messages": weather_question("Paris"), "tools": TOOLS,
             "max_tokens": 80, "temperature": 0.0, "stream": True}  # fmt: skip
-    streamed = assemble(strict_chunks(server, body))
+    streamed = assemble(stream_chat_chunks(server.url, body))
     assert streamed == {
         "reasoning": message.model_extra["reasoning_content"],
         "content": message.content or "",
