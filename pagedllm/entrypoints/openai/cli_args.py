@@ -56,7 +56,7 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=str,
         default=None,
         choices=sorted(TOOL_PARSERS),
-        help="How the model writes tool calls, read for tool_choice \"auto\".",
+        help='How the model writes tool calls, read for tool_choice "auto".',
     )
     group.add_argument("--ssl-keyfile", type=str, default=None, help="TLS key file.")
     group.add_argument("--ssl-certfile", type=str, default=None, help="TLS certificate file.")

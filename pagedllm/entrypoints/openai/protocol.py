@@ -23,6 +23,7 @@ from pagedllm.entrypoints.openai.protocol_tools import (
 from pagedllm.entrypoints.openai.structured_outputs import StructuredOutputsRequestMixin
 from pagedllm.entrypoints.openai.tool_choice import effective_tool_choice, tool_choice_json_schema
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.structured_output.params import StructuredOutputsParams
 
 
 def random_uuid() -> str:
@@ -248,15 +249,17 @@ class ChatCompletionRequest(SamplingRequestMixin):
     parallel_tool_calls: bool | None = True
     include_reasoning: bool = True
 
-    def to_structured_outputs(self, implied=None):
+    def to_structured_outputs(
+        self, implied: dict[str, dict[str, Any]] | None = None
+    ) -> StructuredOutputsParams | None:
         """A "required" or named tool choice constrains the output to a JSON schema, compact
         (a weak model cannot wander off into whitespace)."""
         choice = effective_tool_choice(self.tools, self.tool_choice)
         schema = tool_choice_json_schema(self.tools, choice, self.parallel_tool_calls is not False)
-        if schema is None:
-            return super().to_structured_outputs()
-        implied = {"json": schema, "disable_any_whitespace": True}
-        return super().to_structured_outputs({"tool_choice": implied})
+        implied = dict(implied or {})
+        if schema is not None:
+            implied["tool_choice"] = {"json": schema, "disable_any_whitespace": True}
+        return super().to_structured_outputs(implied)
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -22,7 +22,12 @@ from pagedllm.entrypoints.openai.protocol import (
     UsageInfo,
     random_uuid,
 )
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError, OpenAIServing, make_usage
+from pagedllm.entrypoints.openai.serving_engine import (
+    OpenAIError,
+    OpenAIServing,
+    final_output,
+    make_usage,
+)
 from pagedllm.entrypoints.openai.tool_choice import history_for_template, select_tool_parser
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser, ToolParserManager
 from pagedllm.outputs import RequestOutput
@@ -178,13 +183,7 @@ class OpenAIServingChat(OpenAIServing):
         generator, ids, parsers = self.start_chat(request, request_id)
         if request.stream:
             return self._stream(request, request_id, created, len(ids), generator, parsers)
-        final: RequestOutput | None = None
-        try:
-            async for res in generator:
-                final = res
-        except Exception as e:
-            raise OpenAIError.from_exception(e) from e
-        assert final is not None
+        final: RequestOutput = await final_output(generator)
         choices = []
         num_generated = 0
         for out in sorted(final.outputs, key=lambda o: o.index):

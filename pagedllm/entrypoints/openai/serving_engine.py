@@ -234,6 +234,18 @@ async def merge_async_iterators(
             await it.aclose()
 
 
+async def final_output(generator: AsyncGenerator[Any, None]) -> Any:
+    """The last output of a non-streamed request's generator (errors as OpenAIError)."""
+    final = None
+    try:
+        async for res in generator:
+            final = res
+    except Exception as e:
+        raise OpenAIError.from_exception(e) from e
+    assert final is not None
+    return final
+
+
 def make_usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
     """OpenAI's usage block."""
     return UsageInfo(

@@ -25,7 +25,7 @@ from pagedllm.entrypoints.openai.chat_output import ChatOutputParser
 from pagedllm.entrypoints.openai.protocol import DeltaMessage, random_uuid
 from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError
+from pagedllm.entrypoints.openai.serving_engine import OpenAIError, final_output
 from pagedllm.outputs import RequestOutput
 
 
@@ -52,13 +52,7 @@ class OpenAIServingResponses:
         base = _base_response(request, response_id, self.chat.model_name)
         if request.stream:
             return _ResponseStream(self, base, generator, parsers[0], len(prompt_ids)).events()
-        final: RequestOutput | None = None
-        try:
-            async for res in generator:
-                final = res
-        except Exception as e:
-            raise OpenAIError.from_exception(e) from e
-        assert final is not None
+        final: RequestOutput = await final_output(generator)
         out = final.outputs[0]
         parsed = parsers[0].parse(out.text)
         items = []

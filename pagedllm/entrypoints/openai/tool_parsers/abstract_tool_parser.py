@@ -62,6 +62,16 @@ class ExtractedToolCallInformation:
     content: str | None = None
 
 
+def split_at_marker(text: str, marker: str, final: bool) -> tuple[ParsedToolCalls, int]:
+    """The content before the first `marker` and the marker's position (-1 if absent: then
+    the content is all the text, less a partial marker at its end while not `final`)."""
+    at = text.find(marker)
+    if at >= 0:
+        return ParsedToolCalls(content=text[:at]), at
+    keep = len(text) if final else len(text) - held_back_suffix(text, marker)
+    return ParsedToolCalls(content=text[:keep]), -1
+
+
 def held_back_suffix(text: str, marker: str) -> int:
     """How many characters at the end of `text` could be the start of `marker` (they are
     held back while streaming, in case the marker is being written)."""

@@ -15,7 +15,7 @@ from pagedllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ParsedCall,
     ParsedToolCalls,
     ToolParser,
-    held_back_suffix,
+    split_at_marker,
 )
 from pagedllm.entrypoints.openai.tool_parsers.partial_json import (
     MalformedToolCall,
@@ -36,11 +36,7 @@ class Hermes2ProToolParser(ToolParser):
         return request
 
     def parse(self, text: str, final: bool) -> ParsedToolCalls:
-        at = text.find(self.start_tag)
-        if at < 0:
-            keep = len(text) if final else len(text) - held_back_suffix(text, self.start_tag)
-            return ParsedToolCalls(content=text[:keep])
-        result = ParsedToolCalls(content=text[:at])
+        result, at = split_at_marker(text, self.start_tag, final)
         while at >= 0:
             pos = skip_ws(text, at + len(self.start_tag))
             if pos >= len(text):

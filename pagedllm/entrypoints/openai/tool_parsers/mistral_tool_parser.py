@@ -16,7 +16,7 @@ from pagedllm.entrypoints.openai.tool_parsers.abstract_tool_parser import (
     ParsedCall,
     ParsedToolCalls,
     ToolParser,
-    held_back_suffix,
+    split_at_marker,
 )
 from pagedllm.entrypoints.openai.tool_parsers.partial_json import (
     scan_call_array,
@@ -41,11 +41,9 @@ class MistralToolParser(ToolParser):
         return "".join(secrets.choice(_ID_ALPHABET) for _ in range(9))
 
     def parse(self, text: str, final: bool) -> ParsedToolCalls:
-        at = text.find(self.bot_token)
+        result, at = split_at_marker(text, self.bot_token, final)
         if at < 0:
-            keep = len(text) if final else len(text) - held_back_suffix(text, self.bot_token)
-            return ParsedToolCalls(content=text[:keep])
-        result = ParsedToolCalls(content=text[:at])
+            return result
         pos = skip_ws(text, at + len(self.bot_token))
         if text.startswith("[", pos):
             result.calls, result.valid = scan_call_array(text, pos, ("arguments",))
