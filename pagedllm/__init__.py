@@ -2,6 +2,7 @@
 
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import (
+    BeamSearchParams,
     GuidedDecodingParams,
     RequestOutputKind,
     SamplingParams,
@@ -14,6 +15,7 @@ __all__ = [
     "LLM",
     "EngineArgs",
     "SamplingParams",
+    "BeamSearchParams",
     "StructuredOutputsParams",
     "GuidedDecodingParams",
     "RequestOutput",

@@ -26,6 +26,11 @@ class LogprobsLists:
     ranks: list[int]
 
 
+# A beam's candidates for its next token (beam search): token ids, their logprobs and ranks,
+# best first.
+BeamCandidates = tuple[list[int], list[float], list[int]]
+
+
 @dataclass
 class ModelRunnerOutput:
     """One step's results, indexed like `req_ids` (the runner's batch order)."""
@@ -42,6 +47,9 @@ class ModelRunnerOutput:
     prompt_logprobs_dict: dict[str, LogprobsLists] = field(default_factory=dict)
     # Draft tokens proposed for the next step (speculative decoding), per request.
     spec_token_ids: list[list[int]] | None = None
+    # Beams of a beam search that reached the end of their tokens: their candidates for
+    # the next token (see NewRequestData.num_beam_candidates).
+    beam_candidates: dict[str, BeamCandidates] = field(default_factory=dict)
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

@@ -218,3 +218,42 @@ class SamplingParams(
             f"{f}={getattr(self, f)!r}" for f in self.__struct_fields__ if not f.startswith("_")
         )
         return f"SamplingParams({fields})"
+
+
+class BeamSearchParams(
+    msgspec.Struct,
+    omit_defaults=True,  # type: ignore[call-arg]
+    dict=True,  # type: ignore[call-arg]
+    kw_only=True,  # type: ignore[call-arg]
+):
+    """Beam search (vLLM's fields): keep the `beam_width` best partial sequences, extend each
+    by its `2 * beam_width` most likely next tokens every step, for `max_tokens` steps.
+
+    Candidates are scored by raw log-softmax; `temperature > 0` adds, per beam and step, one
+    token sampled at that temperature to the candidates (vLLM's behaviour). A candidate that
+    is EOS (unless `ignore_eos`) completes its sequence; finished sequences are ranked by
+    `cum_logprob / len(prompt + output) ** length_penalty` (see `beam_search.py`).
+    `include_stop_str_in_output` keeps a final EOS in the output tokens and text.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not self.temperature >= 0.0 or math.isinf(self.temperature):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+
+    @property
+    def num_candidates(self) -> int:
+        """Top tokens scored per beam and step (vLLM: twice the beam width)."""
+        return 2 * self.beam_width

@@ -100,6 +100,15 @@ class AttentionBackend(ABC):
     ) -> tuple[int, ...]:
         """Shape of one layer's KV-cache tensor (keys and values together)."""
 
+    @staticmethod
+    def copy_blocks(kv_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy blocks `src[i]` into `dst[i]` in every layer's cache (copy-on-write of a
+        block beams share). Reads all sources before writing, so a block may be both.
+        Default layout: blocks on dimension 1 (`get_kv_cache_shape` of the torch backend);
+        a backend with another layout overrides this."""
+        for cache in kv_caches:
+            cache[:, dst] = cache[:, src]
+
     @abstractmethod
     def build_metadata(self, common: CommonAttentionMetadata) -> Any:
         """Precompute whatever all layers of this step share (masks, index tensors)."""

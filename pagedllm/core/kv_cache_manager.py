@@ -7,6 +7,11 @@ the pool cannot, and the scheduler must preempt or wait). A request's blocks are
 block i holds its tokens [i * block_size, (i + 1) * block_size); once a block is full and its
 tokens are computed it is cached under the request's i-th block hash, so later requests with the
 same prefix can share it. `free` returns a finished or preempted request's blocks to the pool.
+
+Beam search forks a request (`fork`): the child shares every block of its parent by reference.
+Full blocks are never written again, so sharing them is free; the partly filled last block is
+copied the first time one of its holders writes into it (copy-on-write in `allocate_slots`,
+one `KVBlockCopy` the runner executes before the step's forward pass).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from pagedllm.core.block_pool import BlockPool
 from pagedllm.core.kv_cache_utils import KVCacheBlock
+from pagedllm.core.sched.output import KVBlockCopy
 
 if TYPE_CHECKING:
     from pagedllm.core.request import Request
@@ -69,6 +75,8 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        # Copy-on-write block copies since the last take_blocks_to_copy(), in order.
+        self._blocks_to_copy: list[KVBlockCopy] = []
 
     @property
     def usage(self) -> float:
@@ -138,10 +146,15 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_slots = min(num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         num_new_blocks = _cdiv(num_slots, self.block_size) - num_held - len(computed_blocks)
+        cow_index = self._shared_write_block(req_blocks, num_computed, num_new_tokens)
         # Hit blocks sitting in the free queue stop being free once touched.
         num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks > self.block_pool.get_num_free_blocks() - num_evictable_hits:
+        num_needed = num_new_blocks + (cow_index is not None)
+        if num_needed > self.block_pool.get_num_free_blocks() - num_evictable_hits:
             return None
+        if cow_index is not None:
+            assert req_blocks is not None
+            self._copy_on_write(req_id, req_blocks, cow_index)
 
         if req_blocks is None:
             req_blocks = self.req_to_blocks[req_id] = []
@@ -161,6 +174,40 @@ class KVCacheManager:
                 self.block_pool.cache_full_blocks(request, req_blocks, num_cached, num_full)
                 self.num_cached_block[req_id] = num_full
         return KVCacheBlocks(new_blocks)
+
+    def _shared_write_block(
+        self, req_blocks: list[KVCacheBlock] | None, num_computed: int, num_new_tokens: int
+    ) -> int | None:
+        """Index of the block this step writes into that another request also holds (only a
+        forked beam's partly filled last block can be), or None."""
+        if not req_blocks or num_new_tokens <= 0 or num_computed % self.block_size == 0:
+            return None
+        index = num_computed // self.block_size
+        if index < len(req_blocks) and req_blocks[index].ref_cnt > 1:
+            return index
+        return None
+
+    def _copy_on_write(self, req_id: str, req_blocks: list[KVCacheBlock], index: int) -> None:
+        shared = req_blocks[index]
+        private = self.block_pool.get_new_blocks(1)[0]
+        req_blocks[index] = private
+        self.block_pool.free_blocks([shared])  # its other holders keep it
+        self._blocks_to_copy.append(
+            KVBlockCopy(req_id, index, shared.block_id, private.block_id)
+        )
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give `child` (a beam forked from `parent`, with the same tokens computed) all of
+        the parent's blocks, shared by reference (see the module docstring)."""
+        blocks = self.req_to_blocks[parent.request_id]
+        self.block_pool.touch(blocks)
+        self.req_to_blocks[child.request_id] = list(blocks)
+        self.num_cached_block[child.request_id] = self.num_cached_block[parent.request_id]
+
+    def take_blocks_to_copy(self) -> list[KVBlockCopy]:
+        """The copy-on-write copies made since the last call (for this step's runner)."""
+        copies, self._blocks_to_copy = self._blocks_to_copy, []
+        return copies
 
     def free(self, request: Request) -> None:
         """Release all of the request's blocks (a no-op for a request holding none). Its blocks

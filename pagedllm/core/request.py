@@ -7,7 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 from pagedllm.engine import EngineCoreEventType, EngineCoreRequest, FinishReason
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
     from pagedllm.core.kv_cache_utils import BlockHash
@@ -59,8 +59,11 @@ class Request:
         eos_token_id: int | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        beam_search: BeamSearchParams | None = None,
     ) -> None:
         self.request_id = request_id
+        # Beam search: the scheduler turns the request into a BeamGroup (core/sched/beam.py).
+        self.beam_search = beam_search
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
@@ -92,6 +95,7 @@ class Request:
             eos_token_id=request.eos_token_id,
             arrival_time=request.arrival_time,
             priority=request.priority,
+            beam_search=request.beam_search,
         )
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 
 class FinishReason(enum.IntEnum):
@@ -30,12 +30,27 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):  #
     eos_token_id: int | None = None
     # Opaque to the core; only the front end reads these back.
     data_parallel_rank: int | None = None
+    # Set for a beam-search request: the core runs the whole search and answers once, with
+    # EngineCoreOutput.beam_sequences (`sampling_params` then only guides detokenization).
+    beam_search: BeamSearchParams | None = None
 
 
 class EngineCoreEventType(enum.IntEnum):
     QUEUED = 1
     SCHEDULED = 2
     PREEMPTED = 3
+
+
+class BeamSequenceOutput(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+    """One finished beam of a beam-search request: its output tokens, per token the logprob
+    entry (chosen token first, then the candidates scored at that step), the cumulative
+    logprob the ranking used, and why it ended."""
+
+    token_ids: list[int]
+    logprobs: list[tuple[list[int], list[float], int]]
+    cum_logprob: float
+    finish_reason: FinishReason
+    stop_reason: int | str | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
@@ -51,6 +66,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):  # 
     num_cached_tokens: int = 0
     # (event type, monotonic timestamp) pairs for the metrics: queued, first scheduled, ...
     events: list[tuple[int, float]] | None = None
+    # A finished beam-search request's best sequences, best first (new_token_ids is empty).
+    beam_sequences: list[BeamSequenceOutput] | None = None
 
     @property
     def finished(self) -> bool:

@@ -31,7 +31,7 @@ from pagedllm.metrics.loggers import LoggingStatLogger, StatLoggerBase
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 from pagedllm.metrics.stats import IterationStats
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +76,7 @@ class AsyncLLM:
         self.engine_core: AsyncMPClient = EngineCoreClient.make_client(  # type: ignore[assignment]
             config, multiprocess_mode=True, asyncio_mode=True, engine_core_cls=engine_core_cls
         )
+        config.cache_config.num_blocks = self.engine_core.num_blocks  # sized by the core
         self.prometheus: PrometheusStatLogger | None = None
         if stat_loggers is None and log_stats:
             self.prometheus = PrometheusStatLogger(
@@ -134,7 +135,7 @@ class AsyncLLM:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         arrival_time: float | None = None,
         priority: int = 0,
         processed: tuple[str | None, EngineCoreRequest] | None = None,
@@ -169,17 +170,17 @@ class AsyncLLM:
     async def generate(
         self,
         prompt: PromptType,
-        sampling_params: SamplingParams,
+        sampling_params: SamplingParams | BeamSearchParams,
         request_id: str,
         priority: int = 0,
         processed: tuple[str | None, EngineCoreRequest] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs until it finishes (see the class contract);
-        `processed` as in `add_request`."""
+        `processed` as in `add_request`. A beam search (`BeamSearchParams`) yields once."""
         start = time.monotonic()
         arrival = time.time()
         queue: RequestOutputCollector | None = None
-        delta = sampling_params.output_kind == RequestOutputKind.DELTA
+        delta = getattr(sampling_params, "output_kind", None) == RequestOutputKind.DELTA
         num_output_tokens: dict[int, int] = {}
         try:
             queue = await self.add_request(

@@ -14,7 +14,7 @@ from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.metrics.stats import IterationStats
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.transformers_utils.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,7 @@ class LLMEngine:
         self.engine_core = EngineCoreClient.make_client(
             config, multiprocess_mode=multiprocess_mode, asyncio_mode=False
         )
+        config.cache_config.num_blocks = self.engine_core.num_blocks  # sized by the core
         self.stat_loggers = stat_loggers or []
 
     @classmethod
@@ -50,10 +51,12 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> None:
+        """Queue one request; `BeamSearchParams` makes it a beam search (one final output
+        with every beam)."""
         prompt_text, request = self.processor.process_inputs(
             request_id, prompt, params, arrival_time, priority
         )

@@ -25,7 +25,7 @@ from pagedllm.outputs import (
     RequestOutput,
     SampleLogprobs,
 )
-from pagedllm.sampling_params import RequestOutputKind
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class RequestOutputCollector:
@@ -102,6 +102,7 @@ class RequestState:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_cached_tokens: int = 0
+    sampling_params: SamplingParams | None = None
 
 
 @dataclass
@@ -147,6 +148,7 @@ class OutputProcessor:
             request_index=request_index,
             queue=queue,
             arrival_time=request.arrival_time,
+            sampling_params=params,
         )
         if parent_req is not None:
             self.parents[parent_req.request_id] = parent_req
@@ -182,6 +184,14 @@ class OutputProcessor:
             state = self.request_states.get(out.request_id)
             if state is None:
                 continue  # aborted meanwhile
+            if out.beam_sequences is not None:
+                ro = self._beam_request_output(state, out)
+                self._finish(state, out.finish_reason, now, iteration_stats)
+                if state.queue is not None:
+                    state.queue.put(ro)
+                else:
+                    request_outputs.append(ro)
+                continue
             self._update_stats(state, out, now, iteration_stats)
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
             if state.detokenizer is not None and out.new_token_ids:
@@ -276,6 +286,43 @@ class OutputProcessor:
             text = decode_token(self.tokenizer, tid) if self.tokenizer is not None else None
             result[tid] = Logprob(logprob=lp, rank=r, decoded_token=text)
         return result
+
+    def _beam_request_output(self, state: RequestState, out: EngineCoreOutput) -> RequestOutput:
+        """A finished beam search: one CompletionOutput per beam, best first, each with its
+        cumulative logprob and, per token, the chosen token's and the candidates' logprobs."""
+        completions = []
+        for index, beam in enumerate(out.beam_sequences or ()):
+            text = ""
+            if state.detokenizer is not None:
+                assert state.sampling_params is not None
+                detokenizer = IncrementalDetokenizer(
+                    self.tokenizer, state.prompt_token_ids, state.sampling_params
+                )
+                detokenizer.update(beam.token_ids, stop_terminated=False)
+                text = detokenizer.output_text
+            completions.append(
+                CompletionOutput(
+                    index=index,
+                    text=text,
+                    token_ids=beam.token_ids,
+                    cumulative_logprob=beam.cum_logprob,
+                    logprobs=[self._to_logprob_dict(entry) for entry in beam.logprobs],
+                    finish_reason=str(beam.finish_reason),
+                    stop_reason=beam.stop_reason,
+                )
+            )
+            state.token_ids.extend(beam.token_ids)  # counted as generated in the stats
+        state.num_cached_tokens = out.num_cached_tokens
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=None,
+            outputs=completions,
+            finished=True,
+            num_cached_tokens=out.num_cached_tokens,
+            metrics=RequestMetrics(arrival_time=state.arrival_time),
+        )
 
     def _make_request_output(
         self,

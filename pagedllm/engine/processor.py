@@ -10,8 +10,10 @@ import time
 from typing import Any
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.sched.beam import check_beam_search_fits
 from pagedllm.engine import EngineCoreRequest
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from pagedllm.spec_decode.config import get_speculative_config
 from pagedllm.structured_output.backend_xgrammar import StructuredOutputValidator
 
 # vLLM's prompt forms: a string, {"prompt": str}, or {"prompt_token_ids": [...]}.
@@ -56,11 +58,16 @@ class Processor:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         arrival_time: float | None = None,
         priority: int = 0,
     ) -> tuple[str | None, EngineCoreRequest]:
-        if not isinstance(params, SamplingParams):
+        """Validate and tokenize. With `BeamSearchParams` the engine core runs a beam search
+        and answers once, with every beam (`EngineCoreRequest.beam_search`)."""
+        beam_search = None
+        if isinstance(params, BeamSearchParams):
+            beam_search, params = params, self._beam_search_sampling_params(params)
+        elif not isinstance(params, SamplingParams):
             raise ValueError(
                 f"sampling_params must be a SamplingParams, got {type(params).__name__}"
             )
@@ -72,6 +79,8 @@ class Processor:
         prompt_text, prompt_ids = self.tokenize_prompt(prompt)
         self._validate_prompt(prompt_ids)
         params = self._validate_params(params, len(prompt_ids))
+        if beam_search is not None:
+            self._validate_beam_search(beam_search, len(prompt_ids))
         eos = self.model_config.eos_token_ids
         request = EngineCoreRequest(
             request_id=request_id,
@@ -80,8 +89,38 @@ class Processor:
             arrival_time=arrival_time if arrival_time is not None else time.time(),
             priority=priority,
             eos_token_id=eos[0] if eos else None,
+            beam_search=beam_search,
         )
         return prompt_text, request
+
+    @staticmethod
+    def _beam_search_sampling_params(params: BeamSearchParams) -> SamplingParams:
+        """What the front end needs of a beam search (detokenization): one final output."""
+        return SamplingParams(
+            temperature=params.temperature,
+            max_tokens=params.max_tokens,
+            ignore_eos=params.ignore_eos,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    def _validate_beam_search(self, params: BeamSearchParams, prompt_len: int) -> None:
+        if get_speculative_config(self.config) is not None:
+            raise ValueError("beam search is not supported together with speculative decoding")
+        if params.num_candidates > self.vocab_size:
+            raise ValueError(
+                f"beam_width={params.beam_width} needs {params.num_candidates} candidates per "
+                f"step, more than the vocabulary ({self.vocab_size})"
+            )
+        sched, cache = self.config.scheduler_config, self.config.cache_config
+        check_beam_search_fits(
+            params,
+            prompt_len,
+            self.max_model_len,
+            sched.max_num_seqs,
+            cache.block_size,
+            cache.num_blocks,
+        )
 
     def _validate_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:

@@ -8,11 +8,12 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from pagedllm.beam_search import BeamSearchOutput, BeamSearchSequence
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -47,20 +48,74 @@ class LLM:
             sampling_params = self.get_default_sampling_params()
         params = self._per_prompt(sampling_params, len(prompts), "sampling_params")
         priorities = self._per_prompt(priority or 0, len(prompts), "priority")
-        # Validate and tokenize everything before the first request is scheduled.
+        params = [sp.clone() for sp in params]
+        for sp in params:
+            sp.output_kind = RequestOutputKind.FINAL_ONLY
+        return self._add_and_run(prompts, params, priorities, use_tqdm)
+
+    def _add_and_run(
+        self,
+        prompts: list[PromptType],
+        params: list[SamplingParams] | list[BeamSearchParams],
+        priorities: list[int],
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        """Validate and tokenize everything before the first request is scheduled, then run
+        the engine until all are finished; results in the prompts' order."""
         engine = self.llm_engine
         ids = [str(next(self._request_counter)) for _ in prompts]
         added: list[str] = []
         try:
             for rid, prompt, sp, prio in zip(ids, prompts, params, priorities):
-                sp = sp.clone()
-                sp.output_kind = RequestOutputKind.FINAL_ONLY
                 engine.add_request(rid, prompt, sp, priority=prio)
                 added.append(rid)
         except Exception:
             engine.abort_request(added)
             raise
         return self._run_engine(ids, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        lora_request: Any = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (vLLM's signature); results in the prompts' order,
+        each with its best `params.beam_width` sequences, best first. The search runs inside
+        the engine: beams share their prefix's KV blocks. `concurrency_limit` bounds how
+        many prompts are searched at once (default: all)."""
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported: pagedllm has no LoRA adapters")
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if concurrency_limit is not None and concurrency_limit < 1:
+            raise ValueError(f"concurrency_limit must be >= 1, got {concurrency_limit}")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        limit = concurrency_limit or max(len(prompts), 1)
+        tokenizer = self.get_tokenizer()
+        results: list[BeamSearchOutput] = []
+        for start in range(0, len(prompts), limit):
+            batch = prompts[start : start + limit]
+            for out in self._add_and_run(batch, [params] * len(batch), [0] * len(batch), use_tqdm):
+                sequences = []
+                for c in out.outputs:
+                    tokens = [*out.prompt_token_ids, *c.token_ids]
+                    sequences.append(
+                        BeamSearchSequence(
+                            tokens=tokens,
+                            logprobs=c.logprobs or [],
+                            cum_logprob=c.cumulative_logprob or 0.0,
+                            text=tokenizer.decode(tokens),
+                            finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason,
+                        )
+                    )
+                results.append(BeamSearchOutput(sequences=sequences))
+        return results
 
     def chat(
         self,

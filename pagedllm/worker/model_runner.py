@@ -28,7 +28,8 @@ from pagedllm.attention.selector import get_attn_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched.output import SchedulerOutput
 from pagedllm.models.loader import get_model
-from pagedllm.outputs import LogprobsLists, ModelRunnerOutput
+from pagedllm.outputs import BeamCandidates, LogprobsLists, ModelRunnerOutput
+from pagedllm.sample.beam import beam_candidates
 from pagedllm.sample.logprobs import compute_token_logprobs
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import Sampler
@@ -57,6 +58,8 @@ class CachedRequestState:
     num_prompt_logprobs_done: int = 0
     # q [n, V] of the drafts last proposed for it, when they were sampled (spec decoding).
     draft_probs: torch.Tensor | None = None
+    # Beam search: > 0 means return this many next-token candidates instead of sampling.
+    num_beam_candidates: int = 0
     token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -69,6 +72,16 @@ class CachedRequestState:
     def append_output(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.token_ids.extend(token_ids)
+
+    def set_tokens(self, start: int, token_ids: list[int]) -> None:
+        """Set the tokens at positions [start, start + len(token_ids)), extending the
+        request where they run past its end (a continuation the scheduler chose)."""
+        self.token_ids[start : start + len(token_ids)] = token_ids
+        num_prompt = len(self.prompt_token_ids)
+        if start + len(token_ids) > num_prompt:
+            skip = max(num_prompt - start, 0)
+            out_start = start + skip - num_prompt
+            self.output_token_ids[out_start : out_start + len(token_ids) - skip] = token_ids[skip:]
 
 
 @dataclass
@@ -145,6 +158,7 @@ class ModelRunner:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 generator=generator,
+                num_beam_candidates=new.num_beam_candidates,
             )
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -152,19 +166,27 @@ class ModelRunner:
             state.num_computed_tokens = cached.num_computed_tokens[i]
             if cached.new_block_ids[i]:
                 state.block_ids.extend(cached.new_block_ids[i])
+            if cached.new_token_ids and cached.new_token_ids[i]:
+                state.set_tokens(state.num_computed_tokens, cached.new_token_ids[i])
+        for copy in so.blocks_to_copy:  # copy-on-write: the request now owns dst
+            state = self.requests.get(copy.req_id)
+            if state is not None:
+                state.block_ids[copy.block_index] = copy.dst_block_id
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
+        if so.blocks_to_copy:
+            self._copy_blocks(so)
         step = self._step_batch(so)
         attn_meta, input_ids, positions = self._prepare_inputs(step)
         hidden = self.model(input_ids, positions, attn_meta)  # [T, hidden]
 
         # A request samples when this step's tokens reach the end of its known tokens; one with
         # draft tokens verifies them and may emit up to k + 1 (see _sample_tokens).
-        sampled, logprobs = self._sample_tokens(so, step, hidden)
+        sampled, logprobs, beam_candidates = self._sample_tokens(so, step, hidden)
         spec_token_ids = None
         if self.drafter is not None:
             spec_token_ids = self._propose_drafts(step, hidden, sampled)
@@ -177,7 +199,14 @@ class ModelRunner:
             logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
             prompt_logprobs_dict=prompt_logprobs,
             spec_token_ids=spec_token_ids,
+            beam_candidates=beam_candidates,
         )
+
+    def _copy_blocks(self, so: SchedulerOutput) -> None:
+        """Run the step's copy-on-write block copies (before anything writes this step)."""
+        src = torch.tensor([c.src_block_id for c in so.blocks_to_copy], device=self.device)
+        dst = torch.tensor([c.dst_block_id for c in so.blocks_to_copy], device=self.device)
+        self.attn_backend.copy_blocks(self.kv_caches, src, dst)
 
     def _step_batch(self, so: SchedulerOutput) -> _StepBatch:
         req_ids = list(so.num_scheduled_tokens)
@@ -207,19 +236,24 @@ class ModelRunner:
 
     def _sample_tokens(
         self, so: SchedulerOutput, step: _StepBatch, hidden: torch.Tensor
-    ) -> tuple[list[list[int]], list[LogprobsLists | None]]:
+    ) -> tuple[list[list[int]], list[LogprobsLists | None], dict[str, BeamCandidates]]:
         """Sample every request whose scheduled tokens reach the end of its known tokens and
         append the result to its state. A request with k draft tokens scheduled owns the last
         k + 1 rows: the `RejectionSampler` verifies the drafts there and emits the accepted
         ones plus one (spec_decode/verifier.py); without drafts anywhere in the batch the
-        plain `Sampler` samples one token per request from its last row."""
+        plain `Sampler` samples one token per request from its last row. Beams of a beam
+        search return their candidates instead (their scheduler picks)."""
         states = step.states
         ends = (step.start + step.num_sched).tolist()
         sample_rows = [i for i, (s, end) in enumerate(zip(states, ends)) if end >= s.num_tokens]
         sampled: list[list[int]] = [[] for _ in states]
         logprobs: list[LogprobsLists | None] = [None] * len(states)
+        beam_rows = [i for i in sample_rows if states[i].num_beam_candidates]
+        candidates = self._beam_candidates(step, hidden, beam_rows) if beam_rows else {}
+        if beam_rows:
+            sample_rows = [i for i in sample_rows if not states[i].num_beam_candidates]
         if not sample_rows:
-            return sampled, logprobs
+            return sampled, logprobs, candidates
         num_drafts = step.num_drafts[sample_rows]
         last_rows = (step.row_start + step.num_sched)[sample_rows] - 1
         rows = verification_rows(last_rows, num_drafts)
@@ -247,7 +281,20 @@ class ModelRunner:
             sampled[i] = token_lists[j]
             states[i].append_output(sampled[i])
             logprobs[i] = row_logprobs[j] if row_logprobs is not None else None
-        return sampled, logprobs
+        return sampled, logprobs, candidates
+
+    def _beam_candidates(
+        self, step: _StepBatch, hidden: torch.Tensor, rows: list[int]
+    ) -> dict[str, BeamCandidates]:
+        last_rows = (step.row_start + step.num_sched)[rows] - 1
+        logits = self.model.compute_logits(hidden[torch.from_numpy(last_rows).to(self.device)])
+        states = [step.states[i] for i in rows]
+        results = beam_candidates(
+            logits,
+            [s.num_beam_candidates for s in states],
+            [s.sampling_params.temperature for s in states],
+        )
+        return {s.req_id: r for s, r in zip(states, results)}
 
     def _propose_drafts(
         self, step: _StepBatch, hidden: torch.Tensor, sampled: list[list[int]]

@@ -9,8 +9,15 @@ from pagedllm.sampling_params import SamplingParams
 
 @dataclass
 class NewRequestData:
-    """A request the runner has not seen, or one resumed after preemption (the runner dropped
-    its state then). `output_token_ids` is non-empty only for a resumed request."""
+    """A request the runner has not seen: a new one, one resumed after preemption (the runner
+    dropped its state then), or a beam forked from another. `output_token_ids` is non-empty
+    only for the last two.
+
+    `num_beam_candidates > 0` marks a beam of a beam search: when it reaches the end of its
+    known tokens the runner does not sample; it returns its top `num_beam_candidates`
+    tokens by log-softmax (plus, at temperature > 0, one token sampled at that temperature)
+    in `ModelRunnerOutput.beam_candidates`, and the scheduler picks the continuation.
+    """
 
     req_id: str
     prompt_token_ids: list[int]
@@ -18,6 +25,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    num_beam_candidates: int = 0
 
 
 @dataclass
@@ -28,10 +36,28 @@ class CachedRequestData:
     # Blocks appended to the request's block table this step (may be empty).
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    # A beam's tokens at positions [num_computed_tokens, + num scheduled): its continuation
+    # is chosen by the scheduler, not sampled by the runner, so the runner learns it here
+    # (and extends its copy with it). [] for every other request (the runner appends what
+    # it sampled itself).
+    new_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:
         return len(self.req_ids)
+
+
+@dataclass
+class KVBlockCopy:
+    """Copy-on-write of a KV block shared by forked beams and only partly filled: before the
+    forward pass the runner copies block `src_block_id` into `dst_block_id` (every layer),
+    and from this step on request `req_id`'s block table holds `dst_block_id` at
+    `block_index`."""
+
+    req_id: str
+    block_index: int
+    src_block_id: int
+    dst_block_id: int
 
 
 @dataclass
@@ -58,6 +84,8 @@ class SchedulerOutput:
     # structured_output_request_ids[req_id], one per verified position (its drafts + 1).
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     grammar_bitmask: object | None = None
+    # Block copies to run before this step's forward pass, in order (beam search).
+    blocks_to_copy: list[KVBlockCopy] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

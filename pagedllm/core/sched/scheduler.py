@@ -21,6 +21,11 @@ Each step spends a budget of `max_num_batched_tokens`:
 computed by the time anyone looks again); `update_from_output` appends sampled tokens, rolls
 back rejected draft tokens, checks stop conditions, stores the next drafts (cut to what a
 structured request's grammar accepts) and frees finished requests.
+
+Beam search (`beam.py`): a beam-search request becomes a `BeamGroup` whose beams are ordinary
+requests here, except that the runner returns their next-token candidates instead of a
+sampled token and the group forks, extends and drops beams once all of them reported. A group
+is admitted and preempted whole.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import TYPE_CHECKING
 from pagedllm.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from pagedllm.core.kv_cache_utils import update_request_block_hashes
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.sched.beam import BeamGroup, BeamSearchManager
 from pagedllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedllm.core.sched.request_queue import create_request_queue
 from pagedllm.core.sched.utils import (
@@ -47,7 +53,7 @@ from pagedllm.engine import (
     EngineCoreOutputs,
     SchedulerStats,
 )
-from pagedllm.outputs import LogprobsLists, ModelRunnerOutput
+from pagedllm.outputs import BeamCandidates, LogprobsLists, ModelRunnerOutput
 from pagedllm.spec_decode.config import get_speculative_config
 from pagedllm.spec_decode.metrics import SpecDecodingStats
 
@@ -135,6 +141,12 @@ class Scheduler:
         self._prompt_logprobs: dict[str, PromptLogprobsAccumulator] = {}
         # Grammars of structured-output requests (None: such requests are not constrained).
         self.structured_output_manager = structured_output_manager
+        self.beam_search = BeamSearchManager(
+            self.kv_cache_manager, self.max_model_len, self.max_num_seqs
+        )
+        # Running requests the runner holds no state for yet (beams forked or admitted with
+        # their group but not scheduled so far): sent as new requests when next scheduled.
+        self._unsent: set[str] = set()
 
     # ---- requests in and out ----------------------------------------------------------------
 
@@ -147,6 +159,8 @@ class Scheduler:
                 f"prompt of {request.num_prompt_tokens} tokens is longer than "
                 f"max_model_len={self.max_model_len}"
             )
+        if request.beam_search is not None:
+            self.beam_search.check(request)
         if self.enable_caching:
             update_request_block_hashes(request, self.block_size)
         if request.sampling_params.prompt_logprobs is not None:
@@ -154,7 +168,9 @@ class Scheduler:
                 request.num_prompt_tokens
             )
         self.requests[request.request_id] = request
-        if self.structured_output_manager is not None:
+        if request.beam_search is not None:
+            self.beam_search.add(request)
+        elif self.structured_output_manager is not None:
             self.structured_output_manager.add_request(request)  # -> WAITING_FOR_FSM
         self.waiting.add_request(request)
 
@@ -167,6 +183,7 @@ class Scheduler:
             raise ValueError(f"finished_status={finished_status!r} is not a finished status")
         if isinstance(request_ids, str):
             request_ids = (request_ids,)
+        request_ids = self._expand_beam_groups(request_ids)
         from_running: set[str] = set()
         from_waiting: list[Request] = []
         for req_id in request_ids:
@@ -184,7 +201,20 @@ class Scheduler:
         if from_waiting:
             self.waiting.remove_requests(from_waiting)
 
+    def _expand_beam_groups(self, request_ids: Iterable[str]) -> list[str]:
+        """Request ids with each beam-search group id replaced by its live beams' ids."""
+        expanded: list[str] = []
+        for req_id in request_ids:
+            group = self.beam_search.group(req_id)
+            if group is None:
+                expanded.append(req_id)
+                continue
+            expanded.extend(b.request_id for b in group.beams)
+            self.beam_search.remove(group)
+        return expanded
+
     def _free_request(self, request: Request) -> None:
+        self._unsent.discard(request.request_id)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._prompt_logprobs.pop(request.request_id, None)
@@ -226,10 +256,14 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            num_running = len(self.running)
             blocks = self._allocate_or_preempt(request, num_new, state)
             if blocks is None:
                 break  # the request preempted itself: nothing behind it fits either
-            state.add(request, num_new, blocks, is_new=False)
+            if len(self.running) < num_running - 1:
+                # A preempted beam group may have had beams before this request.
+                i = self.running.index(request)
+            state.add(request, num_new, blocks, is_new=request.request_id in self._unsent)
             num_drafts = request.num_computed_tokens + num_new - request.num_tokens
             if num_drafts > 0:
                 state.spec_tokens[request.request_id] = request.spec_token_ids[:num_drafts]
@@ -247,14 +281,16 @@ class Scheduler:
             )
             if blocks is not None:
                 return blocks
-            victim = self.running.pop()
-            self._preempt(victim, state)
-            if victim is request:
+            if request in self._preempt_last(state):
                 return None
 
     def _schedule_waiting(self, state: _StepState) -> None:
         skipped: list[Request] = []
-        while self.waiting and state.token_budget > 0 and len(self.running) < self.max_num_seqs:
+        while (
+            self.waiting
+            and state.token_budget > 0
+            and len(self.running) + self.beam_search.num_reserved_seats() < self.max_num_seqs
+        ):
             request = self.waiting.peek_request()
             # A request preempted this step (by a higher-priority admission) waits a step.
             if not self._is_ready(request) or request in state.preempted:
@@ -274,7 +310,14 @@ class Scheduler:
         return som is not None and som.is_ready(request)
 
     def _try_admit(self, request: Request, state: _StepState) -> bool:
-        """Admit the head of the waiting queue with its first chunk; False if it must wait."""
+        """Admit the head of the waiting queue with its first chunk; False if it must wait.
+        A beam brings its group's other waiting beams along (they hold their prefix-cache
+        hits, and get tokens from the next step on)."""
+        group = self.beam_search.group_of(request)
+        if group is not None:
+            seats = len(self.running) + self.beam_search.num_reserved_seats()
+            if seats + group.params.beam_width > self.max_num_seqs:
+                return False
         hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
         behind = request.num_tokens - num_hit_tokens
         if self.enable_chunked_prefill:
@@ -287,17 +330,37 @@ class Scheduler:
         if blocks is None:
             return False
         self.waiting.pop_request()
+        self._start_running(request, num_hit_tokens)
+        state.add(request, num_new, blocks, is_new=True)
+        if group is not None:
+            self._admit_beams(group)
+        return True
+
+    def _start_running(self, request: Request, num_computed_tokens: int) -> None:
         request.status = RequestStatus.RUNNING
-        request.num_computed_tokens = num_hit_tokens
+        request.num_computed_tokens = num_computed_tokens
         if request.num_cached_tokens < 0:
-            request.num_cached_tokens = num_hit_tokens
+            request.num_cached_tokens = num_computed_tokens
         request.record_event(EngineCoreEventType.SCHEDULED)
         if self.policy == "priority":
             bisect.insort(self.running, request)
         else:
             self.running.append(request)
-        state.add(request, num_new, blocks, is_new=True)
-        return True
+
+    def _admit_beams(self, group: BeamGroup) -> None:
+        """Move a just-admitted beam's waiting siblings to running with their prefix-cache
+        hits (which need no free block, so this cannot fail)."""
+        siblings = [b for b in group.beams if b.status != RequestStatus.RUNNING]
+        if not siblings:
+            return
+        self.waiting.remove_requests(siblings)
+        kv = self.kv_cache_manager
+        for beam in siblings:
+            hit_blocks, num_hit_tokens = kv.get_computed_blocks(beam)
+            blocks = kv.allocate_slots(beam, 0, num_hit_tokens, hit_blocks)
+            assert blocks is not None, "taking prefix-cache hits needs no free block"
+            self._start_running(beam, num_hit_tokens)
+            self._unsent.add(beam.request_id)
 
     def _allocate_for_waiting(
         self,
@@ -318,14 +381,28 @@ class Scheduler:
                 return blocks
             if self.policy != "priority" or not self.running or not request < self.running[-1]:
                 return None
-            victim = self.running.pop()
-            state.remove(victim)
-            self._preempt(victim, state)
+            self._preempt_last(state)
+
+    def _preempt_last(self, state: _StepState) -> list[Request]:
+        """Preempt the last running request, or all running beams of its beam group, undoing
+        their scheduling this step; returns them."""
+        victim = self.running[-1]
+        group = self.beam_search.group_of(victim)
+        if group is None:
+            victims = [self.running.pop()]
+        else:
+            victims = [b for b in self.running if b in group.beams]
+            self.running = [r for r in self.running if r not in victims]
+        for request in reversed(victims):  # prepended one by one: keep their order
+            state.remove(request)
+            self._preempt(request, state)
+        return victims
 
     def _preempt(self, request: Request, state: _StepState) -> None:
         """Preempt by recomputation: drop the KV, restart from token 0 when resumed (prefix
         caching usually brings most of it back)."""
         self.kv_cache_manager.free(request)
+        self._unsent.discard(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
@@ -346,14 +423,21 @@ class Scheduler:
                 sampling_params=r.sampling_params,
                 block_ids=kv.get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
+                num_beam_candidates=r.beam_search.num_candidates if r.beam_search else 0,
             )
             for r in state.new_reqs
         ]
+        self._unsent.difference_update(r.request_id for r in state.new_reqs)
         cached = CachedRequestData()
         for r in state.cached_reqs:
             cached.req_ids.append(r.request_id)
             cached.new_block_ids.append(state.new_blocks[r.request_id].get_block_ids())
             cached.num_computed_tokens.append(r.num_computed_tokens)
+            chosen: list[int] = []
+            if r.beam_search is not None:  # the beam's continuation came from its group
+                start = r.num_computed_tokens
+                chosen = r.all_token_ids[start : start + state.num_scheduled_tokens[r.request_id]]
+            cached.new_token_ids.append(chosen)
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -362,6 +446,7 @@ class Scheduler:
             scheduled_spec_decode_tokens=state.spec_tokens,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in state.preempted},
+            blocks_to_copy=kv.take_blocks_to_copy(),
         )
 
     # ---- results ----------------------------------------------------------------------------
@@ -392,6 +477,10 @@ class Scheduler:
                 chunk = mro.prompt_logprobs_dict.get(req_id)
                 if chunk is not None:
                     accumulator.add(chunk_start, chunk)
+            candidates = mro.beam_candidates.get(req_id)
+            if candidates is not None:
+                num_finished += self._advance_beams(request, candidates, outputs)
+                continue
             if not sampled:
                 continue
             lists = mro.logprobs[idx] if mro.logprobs is not None and idx is not None else None
@@ -407,6 +496,33 @@ class Scheduler:
         if num_finished:
             self.running = [r for r in self.running if not r.is_finished()]
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats())
+
+    def _advance_beams(
+        self, beam: Request, candidates: BeamCandidates, outputs: list[EngineCoreOutput]
+    ) -> int:
+        """Hand a beam's candidates to its group; once all its beams reported, apply the
+        group's step: new beams join `running` after their parents (the runner gets them as
+        new requests), dropped beams are freed, a finished search reports its output.
+        Returns how many beams finished (the caller filters them out of `running`)."""
+        group = self.beam_search.group_of(beam)
+        assert group is not None, f"{beam.request_id} returned candidates but is no beam"
+        if not group.report(beam, candidates):
+            return 0
+        step = group.step()
+        self.beam_search.apply(step, group)
+        for child, parent in step.new_beams:
+            self.requests[child.request_id] = child
+            self._unsent.add(child.request_id)
+            if self.policy == "priority":
+                bisect.insort(self.running, child)
+            else:
+                self.running.insert(self.running.index(parent) + 1, child)
+        for dropped in step.dropped:
+            dropped.status = RequestStatus.FINISHED_STOPPED
+            self._free_request(dropped)
+        if step.output is not None:
+            outputs.append(step.output)
+        return len(step.dropped)
 
     def _valid_drafts(self, request: Request, draft_token_ids: list[int]) -> list[int]:
         """The drafts to schedule next step: a structured request's are cut to the longest
