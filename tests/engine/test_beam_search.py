@@ -15,6 +15,7 @@ from pagedllm import LLM, BeamSearchParams
 from pagedllm.beam_search import get_beam_search_score
 
 PROMPTS = [list(range(5, 5 + 21)), [11, 200, 37, 4, 90]]
+MORE_PROMPTS = [list(range(300, 300 + 13)), [7, 8, 9, 400, 401, 402, 403, 404, 405]]
 
 
 def hf_beam_search(model, prompt: list[int], params: BeamSearchParams, eos: int | None):
@@ -61,16 +62,16 @@ def eos_model_dir(llama_dir, tmp_path_factory) -> tuple[str, int]:
     return str(path), eos
 
 
-def _run(model_dir: str, params: BeamSearchParams, **engine_kwargs):
-    llm = LLM(
-        model_dir, dtype="float32", device="cpu", max_model_len=128, block_size=16,
-        kv_cache_memory=4 << 20, **engine_kwargs,
-    )  # fmt: skip
+def _run(model_dir: str, prompts: list[list[int]], params: BeamSearchParams, **engine_kwargs):
+    kwargs = {"max_model_len": 128, "block_size": 16, "kv_cache_memory": 4 << 20} | engine_kwargs
+    llm = LLM(model_dir, dtype="float32", device="cpu", **kwargs)
     try:
-        outs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params)
+        outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
         scheduler.check_integrity()
         assert scheduler.kv_cache_manager.usage == 0
+        if "num_gpu_blocks_override" in engine_kwargs:
+            assert scheduler.num_preemptions_total > 0
     finally:
         llm.shutdown()
     return outs
@@ -85,6 +86,11 @@ def _run(model_dir: str, params: BeamSearchParams, **engine_kwargs):
             BeamSearchParams(beam_width=2, max_tokens=6, length_penalty=0.6),
             {"max_num_batched_tokens": 8, "enable_prefix_caching": False},
         ),
+        # A cache too small for all groups at once: groups are preempted and resumed.
+        (
+            BeamSearchParams(beam_width=3, max_tokens=12),
+            {"num_gpu_blocks_override": 15, "block_size": 8, "max_model_len": 64},
+        ),
     ],
 )
 def test_matches_transformers_reference(eos_model_dir, params, engine_kwargs):
@@ -92,9 +98,10 @@ def test_matches_transformers_reference(eos_model_dir, params, engine_kwargs):
 
     model_dir, eos = eos_model_dir
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    outs = _run(model_dir, params, **engine_kwargs)
+    prompts = PROMPTS + MORE_PROMPTS if "num_gpu_blocks_override" in engine_kwargs else PROMPTS
+    outs = _run(model_dir, prompts, params, **engine_kwargs)
     saw_stop = False
-    for prompt, out in zip(PROMPTS, outs):
+    for prompt, out in zip(prompts, outs):
         expected = hf_beam_search(model, prompt, params, eos)
         got = out.sequences
         assert [s.tokens[len(prompt) :] for s in got] == [e[0] for e in expected]
@@ -114,13 +121,16 @@ def test_matches_transformers_reference(eos_model_dir, params, engine_kwargs):
 
 
 def test_text_and_validation(llama_dir):
-    llm = LLM(llama_dir, dtype="float32", device="cpu", max_model_len=64, kv_cache_memory=1 << 20)
+    llm = LLM(
+        llama_dir, dtype="float32", device="cpu", max_model_len=64, kv_cache_memory=1 << 20,
+        max_num_seqs=4,
+    )  # fmt: skip
     try:
         out = llm.beam_search(["hello there"], BeamSearchParams(beam_width=2, max_tokens=4))[0]
         tokenizer = llm.get_tokenizer()
         assert [s.text for s in out.sequences] == [tokenizer.decode(s.tokens) for s in out.sequences]
-        with pytest.raises(ValueError, match="beam_width=200 is more than max_num_seqs"):
-            llm.beam_search(["hi"], BeamSearchParams(beam_width=200, max_tokens=2))
+        with pytest.raises(ValueError, match="beam_width=5 is more than max_num_seqs=4"):
+            llm.beam_search(["hi"], BeamSearchParams(beam_width=5, max_tokens=2))
         with pytest.raises(ValueError, match="lora_request"):
             llm.beam_search(["hi"], BeamSearchParams(beam_width=2, max_tokens=2), lora_request=1)
         with pytest.raises(ValueError, match="beam_width must be"):
