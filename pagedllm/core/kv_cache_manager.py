@@ -192,9 +192,7 @@ class KVCacheManager:
         private = self.block_pool.get_new_blocks(1)[0]
         req_blocks[index] = private
         self.block_pool.free_blocks([shared])  # its other holders keep it
-        self._blocks_to_copy.append(
-            KVBlockCopy(req_id, index, shared.block_id, private.block_id)
-        )
+        self._blocks_to_copy.append(KVBlockCopy(req_id, index, shared.block_id, private.block_id))
 
     def fork(self, parent: Request, child: Request) -> None:
         """Give `child` (a beam forked from `parent`, with the same tokens computed) all of

@@ -39,7 +39,9 @@ def reference(prompt: list[int], params: BeamSearchParams, eos: int, max_model_l
         for out, cum in beams:
             for t, lp, _ in zip(*scorer(prompt + out, params.num_candidates)):
                 if t == eos and not params.ignore_eos:
-                    done.append((out + [t] if params.include_stop_str_in_output else out, cum + lp, "stop"))
+                    done.append(
+                        (out + [t] if params.include_stop_str_in_output else out, cum + lp, "stop")
+                    )
                 else:
                     candidates.append((out + [t], cum + lp))
         candidates.sort(key=lambda c: -c[1])
@@ -141,11 +143,15 @@ def run(scheduler, runner: ShadowRunner, max_steps: int = 2000):
 
 
 def as_tuples(out):
-    return [(b.token_ids, round(b.cum_logprob, 9), str(b.finish_reason)) for b in out.beam_sequences]
+    return [
+        (b.token_ids, round(b.cum_logprob, 9), str(b.finish_reason)) for b in out.beam_sequences
+    ]
 
 
 def ref_tuples(prompt, params, max_model_len=1024):
-    return [(o, round(c, 9), r) for o, c, r in reference(prompt, params, EOS_TOKEN_ID, max_model_len)]
+    return [
+        (o, round(c, 9), r) for o, c, r in reference(prompt, params, EOS_TOKEN_ID, max_model_len)
+    ]
 
 
 PROMPTS = [list(range(3, 3 + 21)), list(range(5, 5 + 16)), [9, 8, 7]]
@@ -197,7 +203,10 @@ def test_eos_and_include_stop_str():
         assert got == ref_tuples(prompt, p)
         stopped = [t for t, _, r in got if r == "stop"]
         assert stopped and all((t[-1] == EOS_TOKEN_ID) == include for t in stopped)
-        assert outputs["b"].beam_sequences[0].finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+        assert outputs["b"].beam_sequences[0].finish_reason in (
+            FinishReason.STOP,
+            FinishReason.LENGTH,
+        )
 
 
 def _eos_soon(prompt: list[int]) -> bool:
@@ -238,9 +247,13 @@ def test_abort_frees_every_beam():
 def test_group_must_fit():
     scheduler = create_scheduler(block_size=4, num_blocks=20, max_num_seqs=4)
     with pytest.raises(ValueError, match="beam_width=5 is more than max_num_seqs=4"):
-        scheduler.add_request(beam_request("a", [1, 2], BeamSearchParams(beam_width=5, max_tokens=4)))
+        scheduler.add_request(
+            beam_request("a", [1, 2], BeamSearchParams(beam_width=5, max_tokens=4))
+        )
     with pytest.raises(ValueError, match="KV blocks"):
-        scheduler.add_request(beam_request("b", [1, 2], BeamSearchParams(beam_width=4, max_tokens=40)))
+        scheduler.add_request(
+            beam_request("b", [1, 2], BeamSearchParams(beam_width=4, max_tokens=40))
+        )
 
 
 def test_seats_reserved_for_a_groups_beams():
@@ -248,7 +261,9 @@ def test_seats_reserved_for_a_groups_beams():
     requests never pushes its fork past max_num_seqs."""
     scheduler = create_scheduler(block_size=4, max_num_seqs=4)
     runner = ShadowRunner(scheduler, 4)
-    scheduler.add_request(beam_request("b", PROMPTS[0], BeamSearchParams(beam_width=3, max_tokens=4)))
+    scheduler.add_request(
+        beam_request("b", PROMPTS[0], BeamSearchParams(beam_width=3, max_tokens=4))
+    )
     for r in create_requests(3, prompt_len=4, max_tokens=4):
         scheduler.add_request(r)
     max_running = 0

@@ -128,7 +128,9 @@ def test_text_and_validation(llama_dir):
     try:
         out = llm.beam_search(["hello there"], BeamSearchParams(beam_width=2, max_tokens=4))[0]
         tokenizer = llm.get_tokenizer()
-        assert [s.text for s in out.sequences] == [tokenizer.decode(s.tokens) for s in out.sequences]
+        assert [s.text for s in out.sequences] == [
+            tokenizer.decode(s.tokens) for s in out.sequences
+        ]
         with pytest.raises(ValueError, match="beam_width=5 is more than max_num_seqs=4"):
             llm.beam_search(["hi"], BeamSearchParams(beam_width=5, max_tokens=2))
         with pytest.raises(ValueError, match="lora_request"):

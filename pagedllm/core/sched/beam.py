@@ -115,7 +115,9 @@ class BeamGroup:
         if num_output >= self.params.max_tokens or prompt_len + num_output >= self.max_model_len:
             for c in choices:
                 tokens = [*c.parent.output_token_ids, c.token_id]
-                self._completed.append((tokens, c.history, c.cum_logprob, FinishReason.LENGTH, None))
+                self._completed.append(
+                    (tokens, c.history, c.cum_logprob, FinishReason.LENGTH, None)
+                )
             return BeamStep(dropped=list(self.beams), output=self._final_output())
         return self._fork(choices)
 
