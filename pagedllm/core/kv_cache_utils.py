@@ -55,7 +55,9 @@ def update_request_block_hashes(
     have become full since the last call; return how many were added.
 
     Call it whenever tokens are appended. Invariant afterwards:
-    `len(request.block_hashes) == request.num_tokens // block_size`.
+    `len(request.block_hashes) == request.num_tokens // block_size`. A request's
+    `cache_salt` enters the first block's hash (and so, chained, every later one): requests
+    share cached prefixes only within the same salt (vLLM's prefix-cache namespaces).
     """
     hashes = request.block_hashes
     start = len(hashes)
@@ -65,9 +67,10 @@ def update_request_block_hashes(
     tokens = request.all_token_ids
     parent = hashes[-1] if hashes else None
     for i in range(start, num_full):
-        parent = hash_block_tokens(
-            parent, tokens[i * block_size : (i + 1) * block_size], extra_keys
-        )
+        keys = extra_keys
+        if i == 0 and request.cache_salt is not None:
+            keys = (*(extra_keys or ()), request.cache_salt)
+        parent = hash_block_tokens(parent, tokens[i * block_size : (i + 1) * block_size], keys)
         hashes.append(parent)
     return num_full - start
 

@@ -60,8 +60,11 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         beam_search: BeamSearchParams | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
+        # Prefix-cache namespace: part of the first block's hash (see kv_cache_utils).
+        self.cache_salt = cache_salt
         # Beam search: the scheduler turns the request into a BeamGroup (core/sched/beam.py).
         self.beam_search = beam_search
         self.sampling_params = sampling_params
@@ -96,6 +99,7 @@ class Request:
             arrival_time=request.arrival_time,
             priority=request.priority,
             beam_search=request.beam_search,
+            cache_salt=request.cache_salt,
         )
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:

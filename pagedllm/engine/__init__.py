@@ -33,6 +33,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):  #
     # Set for a beam-search request: the core runs the whole search and answers once, with
     # EngineCoreOutput.beam_sequences (`sampling_params` then only guides detokenization).
     beam_search: BeamSearchParams | None = None
+    # Prefix-cache namespace: only requests with the same salt share cached blocks.
+    cache_salt: str | None = None
 
 
 class EngineCoreEventType(enum.IntEnum):

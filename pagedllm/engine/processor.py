@@ -16,7 +16,8 @@ from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, Sampli
 from pagedllm.spec_decode.config import get_speculative_config
 from pagedllm.structured_output.backend_xgrammar import StructuredOutputValidator
 
-# vLLM's prompt forms: a string, {"prompt": str}, or {"prompt_token_ids": [...]}.
+# vLLM's prompt forms: a string, {"prompt": str}, or {"prompt_token_ids": [...]}; a dict may
+# carry a "cache_salt" (its prefix-cache namespace).
 PromptType = str | dict[str, Any]
 
 MAX_LOGPROBS = 20
@@ -77,6 +78,9 @@ class Processor:
                 f"{self.config.scheduler_config.policy!r})"
             )
         prompt_text, prompt_ids = self.tokenize_prompt(prompt)
+        cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         self._validate_prompt(prompt_ids)
         params = self._validate_params(params, len(prompt_ids))
         if beam_search is not None:
@@ -90,6 +94,7 @@ class Processor:
             priority=priority,
             eos_token_id=eos[0] if eos else None,
             beam_search=beam_search,
+            cache_salt=cache_salt,
         )
         return prompt_text, request
 

@@ -97,3 +97,20 @@ def test_update_request_block_hashes_is_incremental():
     assert request.block_hashes[:2] == first_two
     expected = hash_block_tokens(first_two[1], request.all_token_ids[32:48])
     assert request.block_hashes[2] == expected
+
+
+def test_cache_salt_enters_the_first_block_and_chains():
+    """Same tokens, different salts: no block hash in common (a salted request can never hit
+    another namespace's prefix); same salt: identical hashes."""
+
+    def hashes(salt):
+        request = Request("r", list(range(48)), SamplingParams(), cache_salt=salt)
+        update_request_block_hashes(request, 16)
+        return request.block_hashes
+
+    assert hashes(None)[0] == hash_block_tokens(None, list(range(16)))
+    assert hashes("a")[0] == hash_block_tokens(None, list(range(16)), ("a",))
+    assert hashes("a")[1] == hash_block_tokens(hashes("a")[0], list(range(16, 32)))
+    assert not set(hashes("a")) & set(hashes("b"))
+    assert not set(hashes("a")) & set(hashes(None))
+    assert hashes("a") == hashes("a")

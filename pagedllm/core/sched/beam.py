@@ -177,6 +177,7 @@ class BeamGroup:
             arrival_time=parent.arrival_time,
             priority=parent.priority,
             beam_search=parent.beam_search,
+            cache_salt=parent.cache_salt,
         )
         child.events.clear()  # the group reports the root's events only
         child.append_output_token_ids(list(parent.output_token_ids))

@@ -22,7 +22,7 @@ from pagedllm.entrypoints.openai.protocol_tools import (
 )
 from pagedllm.entrypoints.openai.structured_outputs import StructuredOutputsRequestMixin
 from pagedllm.entrypoints.openai.tool_choice import effective_tool_choice, tool_choice_json_schema
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagedllm.structured_output.params import StructuredOutputsParams
 
 
@@ -112,6 +112,29 @@ class SamplingRequestMixin(OpenAIBaseModel, StructuredOutputsRequestMixin):
     spaces_between_special_tokens: bool = True
     priority: int = 0
     request_id: str | None = None
+    best_of: int | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    return_tokens_as_token_ids: bool | None = None
+    cache_salt: str | None = None
+
+    def to_beam_search_params(self, max_tokens: int, defaults: dict[str, Any]) -> BeamSearchParams:
+        """vLLM's mapping: beam_width is best_of (or n); the n best beams are returned."""
+        temperature = self.temperature
+        if temperature is None:
+            temperature = defaults.get("temperature", 1.0)
+        return BeamSearchParams(
+            beam_width=self.best_of or self.n,
+            max_tokens=max_tokens,
+            ignore_eos=self.ignore_eos,
+            temperature=temperature,
+            length_penalty=self.length_penalty,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
 
     def _sampling_params(
         self,
@@ -148,6 +171,8 @@ class SamplingRequestMixin(OpenAIBaseModel, StructuredOutputsRequestMixin):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             structured_outputs=self.to_structured_outputs(),
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
@@ -170,12 +195,17 @@ class SamplingRequestMixin(OpenAIBaseModel, StructuredOutputsRequestMixin):
 
 class CompletionRequest(SamplingRequestMixin):
     prompt: list[int] | list[list[int]] | str | list[str]
-    best_of: int | None = None
     echo: bool = False
     logprobs: int | None = None
     max_tokens: int | None = 16
     suffix: str | None = None
-    prompt_logprobs: int | None = None
+    add_special_tokens: bool = True
+
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens=0`: return the prompt (and its logprobs), generate
+        nothing (how evaluation harnesses score a text)."""
+        return self.echo and self.max_tokens == 0
 
     def to_sampling_params(self, max_tokens: int, defaults: dict[str, Any]) -> SamplingParams:
         prompt_logprobs = self.prompt_logprobs
@@ -241,6 +271,7 @@ class ChatCompletionRequest(SamplingRequestMixin):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
+    documents: list[dict[str, str]] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # Tools (see tool_choice.py) and reasoning output.
@@ -273,7 +304,10 @@ class ChatCompletionRequest(SamplingRequestMixin):
         num_logprobs = None
         if self.logprobs:
             num_logprobs = self.top_logprobs or 0
-        return self._sampling_params(max_tokens, num_logprobs, defaults)
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and prompt_logprobs is None:  # vLLM: echo reports the prompt's logprobs
+            prompt_logprobs = self.top_logprobs or 0
+        return self._sampling_params(max_tokens, num_logprobs, defaults, prompt_logprobs)
 
 
 class ChatMessage(OpenAIBaseModel):
@@ -314,6 +348,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: list[dict[int, Any] | None] | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):

@@ -22,6 +22,7 @@ from pagedllm.entrypoints.openai.protocol import (
     UsageInfo,
     random_uuid,
 )
+from pagedllm.entrypoints.openai.request_checks import check_fields
 from pagedllm.entrypoints.openai.serving_engine import (
     OpenAIError,
     OpenAIServing,
@@ -51,6 +52,17 @@ def _flatten_content(content: Any) -> str:
                 )
         return "\n".join(texts)
     raise OpenAIError(f"message content must be a string or a list, got {content!r}")
+
+
+def _echoed_content(request: ChatCompletionRequest) -> str:
+    """vLLM's chat `echo`: the reply starts with the last message's content when that
+    message is the assistant's (a continued reply)."""
+    if not request.echo or not request.messages:
+        return ""
+    last = request.messages[-1]
+    if not isinstance(last, dict) or last.get("role") != "assistant":
+        return ""
+    return _flatten_content(last.get("content"))
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -118,6 +130,7 @@ class OpenAIServingChat(OpenAIServing):
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[Any] | None = None,
+        documents: list[dict[str, str]] | None = None,
     ) -> str:
         """The prompt text of a conversation; 400 for malformed messages or no template."""
         if not messages:
@@ -143,6 +156,7 @@ class OpenAIServingChat(OpenAIServing):
                 continue_final_message=continue_final_message,
                 chat_template=chat_template,
                 tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
+                documents=documents,
                 **(chat_template_kwargs or {}),
             )
         except ValueError as e:
@@ -164,25 +178,26 @@ class OpenAIServingChat(OpenAIServing):
             request.chat_template,
             request.chat_template_kwargs,
             request.tools,
+            request.documents,
         )
         ids = self.tokenize_text(prompt_text, add_special_tokens=request.add_special_tokens)
+        engine_prompt = self.engine_prompt(prompt_text, ids, request)
+        ids = engine_prompt["prompt_token_ids"]
         max_tokens = self.resolve_max_tokens(len(ids), request.requested_max_tokens, "messages")
-        engine_prompt = {"prompt_token_ids": ids, "prompt": prompt_text}
-        params, processed = self.prepare(request_id, engine_prompt, request, max_tokens)
-        generator = self.engine.generate(
-            engine_prompt, params, request_id, priority=request.priority, processed=processed
-        )
+        generator = self.generate(request_id, engine_prompt, request, max_tokens)
         return generator, ids, self.output_parsers(request, ids, tool_parser)
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, request_id: str | None = None
     ) -> ChatCompletionResponse | AsyncGenerator[str, None]:
         self.check_request(request.model)
+        check_fields(request)
         request_id = f"chatcmpl-{request.request_id or request_id or random_uuid()}"
         created = int(time.time())
         generator, ids, parsers = self.start_chat(request, request_id)
+        echo = _echoed_content(request)
         if request.stream:
-            return self._stream(request, request_id, created, len(ids), generator, parsers)
+            return self._stream(request, request_id, created, len(ids), generator, parsers, echo)
         final: RequestOutput = await final_output(generator)
         choices = []
         num_generated = 0
@@ -191,12 +206,15 @@ class OpenAIServingChat(OpenAIServing):
             logprobs = None
             if request.logprobs:
                 logprobs = self.chat_logprobs(
-                    list(out.token_ids), out.logprobs, request.top_logprobs or 0
+                    list(out.token_ids),
+                    out.logprobs,
+                    request.top_logprobs or 0,
+                    as_ids=bool(request.return_tokens_as_token_ids),
                 )
             parsed = parsers[out.index].parse(out.text)
             message = ChatMessage(
                 role="assistant",
-                content=parsed.content,
+                content=echo + (parsed.content or "") if echo else parsed.content,
                 reasoning_content=parsed.reasoning,
                 reasoning=parsed.reasoning,
                 tool_calls=parsed.tool_calls,
@@ -211,9 +229,12 @@ class OpenAIServingChat(OpenAIServing):
                 )
             )
         usage = make_usage(len(ids), num_generated)
-        return ChatCompletionResponse(
+        response = ChatCompletionResponse(
             id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
         )
+        if request.prompt_logprobs is not None or request.echo:
+            response.prompt_logprobs = final.prompt_logprobs
+        return response
 
     async def _stream(
         self,
@@ -223,6 +244,7 @@ class OpenAIServingChat(OpenAIServing):
         num_prompt_tokens: int,
         generator: AsyncGenerator[RequestOutput, None],
         parsers: list[ChatOutputParser],
+        echo: str = "",
     ) -> AsyncGenerator[str, None]:
         def chunk(choices: list, usage: UsageInfo | None = None) -> str:
             response = ChatCompletionStreamResponse(
@@ -241,6 +263,14 @@ class OpenAIServingChat(OpenAIServing):
             for i in range(request.n):
                 role = DeltaMessage(role="assistant", content="")
                 yield chunk([ChatCompletionResponseStreamChoice(index=i, delta=role)])
+                if echo:
+                    yield chunk(
+                        [
+                            ChatCompletionResponseStreamChoice(
+                                index=i, delta=DeltaMessage(content=echo)
+                            )
+                        ]
+                    )
             async for res in generator:
                 for out in res.outputs:
                     num_generated[out.index] += len(out.token_ids)
@@ -249,7 +279,10 @@ class OpenAIServingChat(OpenAIServing):
                     logprobs = None
                     if request.logprobs:
                         logprobs = self.chat_logprobs(
-                            list(out.token_ids), out.logprobs, request.top_logprobs or 0
+                            list(out.token_ids),
+                            out.logprobs,
+                            request.top_logprobs or 0,
+                            as_ids=bool(request.return_tokens_as_token_ids),
                         )
                     delta = parsers[out.index].feed(out.text, out.finish_reason is not None)
                     if delta is None and logprobs is None and out.finish_reason is None:

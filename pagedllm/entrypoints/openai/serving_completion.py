@@ -15,6 +15,7 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionStreamResponse,
     random_uuid,
 )
+from pagedllm.entrypoints.openai.request_checks import check_fields
 from pagedllm.entrypoints.openai.serving_engine import (
     OpenAIError,
     OpenAIServing,
@@ -28,7 +29,9 @@ class OpenAIServingCompletion(OpenAIServing):
     """Completions handler. `create_completion` returns a `CompletionResponse`, or for
     `stream=true` an async generator of server-sent-event strings ending in `[DONE]`."""
 
-    def _prompts(self, prompt: Any) -> list[tuple[str | None, list[int]]]:
+    def _prompts(
+        self, prompt: Any, add_special_tokens: bool = True
+    ) -> list[tuple[str | None, list[int]]]:
         """(text or None, token ids) per prompt, in request order."""
         if isinstance(prompt, str):
             prompt = [prompt]
@@ -41,7 +44,7 @@ class OpenAIServingCompletion(OpenAIServing):
         result: list[tuple[str | None, list[int]]] = []
         for p in prompt:
             if isinstance(p, str):
-                result.append((p, self.tokenize_text(p, add_special_tokens=True)))
+                result.append((p, self.tokenize_text(p, add_special_tokens=add_special_tokens)))
             elif isinstance(p, list) and p and all(isinstance(t, int) for t in p):
                 result.append((None, list(p)))
             else:
@@ -56,26 +59,19 @@ class OpenAIServingCompletion(OpenAIServing):
         self, request: CompletionRequest, request_id: str | None = None
     ) -> CompletionResponse | AsyncGenerator[str, None]:
         self.check_request(request.model)
-        if request.suffix:
-            raise OpenAIError("suffix is not supported", param="suffix")
-        if request.best_of is not None and request.best_of != request.n:
-            raise OpenAIError(
-                f"best_of={request.best_of} is not supported unless it equals n={request.n}",
-                param="best_of",
-            )
+        check_fields(request)
         request_id = f"cmpl-{request.request_id or request_id or random_uuid()}"
         created = int(time.time())
-        prompts = self._prompts(request.prompt)
+        prompts = []
         generators = []
-        for i, (text, ids) in enumerate(prompts):
-            max_tokens = self.resolve_max_tokens(len(ids), request.max_tokens, "prompt")
-            engine_prompt = {"prompt_token_ids": ids, "prompt": text}
-            sub_id = f"{request_id}-{i}"
-            params, processed = self.prepare(sub_id, engine_prompt, request, max_tokens)
+        for i, (text, ids) in enumerate(self._prompts(request.prompt, request.add_special_tokens)):
+            # echo with max_tokens=0 scores the prompt: one token is generated, not returned.
+            requested = 1 if request.echo_only else request.max_tokens
+            max_tokens = self.resolve_max_tokens(len(ids), requested, "prompt")
+            engine_prompt = self.engine_prompt(text, ids, request)
+            prompts.append((engine_prompt["prompt"], engine_prompt["prompt_token_ids"]))
             generators.append(
-                self.engine.generate(
-                    engine_prompt, params, sub_id, priority=request.priority, processed=processed
-                )
+                self.generate(f"{request_id}-{i}", engine_prompt, request, max_tokens)
             )
         results = merge_async_iterators(*generators)
         if request.stream:
@@ -105,6 +101,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompt_text = self.tokenizer.decode(res.prompt_token_ids)
             num_prompt_tokens += len(res.prompt_token_ids)
             for out in sorted(res.outputs, key=lambda o: o.index):
+                if request.echo_only:
+                    out.text, out.token_ids, out.logprobs = "", [], []
                 num_generated += len(out.token_ids)
                 text, token_ids = out.text, list(out.token_ids)
                 step_logprobs: list = list(out.logprobs or [])
@@ -115,7 +113,12 @@ class OpenAIServingCompletion(OpenAIServing):
                     step_logprobs += list(out.logprobs or [])
                 logprobs = None
                 if request.logprobs is not None:
-                    logprobs = self.completion_logprobs(token_ids, step_logprobs)
+                    logprobs = self.completion_logprobs(
+                        token_ids,
+                        step_logprobs,
+                        request.logprobs,
+                        as_ids=bool(request.return_tokens_as_token_ids),
+                    )
                 choices.append(
                     CompletionResponseChoice(
                         index=i * request.n + out.index,
@@ -150,6 +153,8 @@ class OpenAIServingCompletion(OpenAIServing):
             async for i, res in results:
                 for out in res.outputs:
                     index = i * n + out.index
+                    if request.echo_only:
+                        out.text, out.token_ids, out.logprobs = "", [], []
                     text, token_ids = out.text, list(out.token_ids)
                     step_logprobs: list = list(out.logprobs or [])
                     if request.echo and not echoed[index]:
@@ -167,11 +172,16 @@ class OpenAIServingCompletion(OpenAIServing):
                     logprobs = None
                     if request.logprobs is not None:
                         logprobs = self.completion_logprobs(
-                            token_ids, step_logprobs, text_offsets[index]
+                            token_ids,
+                            step_logprobs,
+                            request.logprobs,
+                            text_offsets[index],
+                            as_ids=bool(request.return_tokens_as_token_ids),
                         )
                     text_offsets[index] += len(text)
                     chunk = CompletionStreamResponse(
                         id=request_id,
+                        object="text_completion",
                         created=created,
                         model=self.model_name,
                         choices=[
@@ -190,7 +200,12 @@ class OpenAIServingCompletion(OpenAIServing):
             if request.include_usage_in_stream:
                 usage = make_usage(sum(prompt_lens), sum(num_generated))
                 final = CompletionStreamResponse(
-                    id=request_id, created=created, model=self.model_name, choices=[], usage=usage
+                    id=request_id,
+                    object="text_completion",
+                    created=created,
+                    model=self.model_name,
+                    choices=[],
+                    usage=usage,
                 )
                 yield f"data: {final.model_dump_json(exclude_unset=True)}\n\n"
         except Exception as e:

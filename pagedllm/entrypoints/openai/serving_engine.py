@@ -13,7 +13,6 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from http import HTTPStatus
 from typing import Any
 
-from pagedllm.engine import EngineCoreRequest
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.entrypoints.openai.protocol import (
@@ -25,8 +24,8 @@ from pagedllm.entrypoints.openai.protocol import (
     ErrorResponse,
     UsageInfo,
 )
-from pagedllm.outputs import Logprob
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.sampling_params import BeamSearchParams
 
 _ERROR_TYPES = {
     HTTPStatus.BAD_REQUEST: "BadRequestError",
@@ -124,23 +123,47 @@ class OpenAIServing:
                 )
         return requested  # SamplingParams rejects values < 1 with a field-naming message
 
-    def prepare(
+    def engine_prompt(self, text: str | None, ids: list[int], request: Any) -> dict[str, Any]:
+        """The engine's prompt dict: token ids (the last `truncate_prompt_tokens` of them when
+        set, vLLM's left truncation), the text, and the request's `cache_salt`."""
+        limit = getattr(request, "truncate_prompt_tokens", None)
+        if limit is not None and len(ids) > limit:
+            ids, text = ids[-limit:], None
+        prompt: dict[str, Any] = {"prompt_token_ids": ids, "prompt": text}
+        if getattr(request, "cache_salt", None) is not None:
+            prompt["cache_salt"] = request.cache_salt
+        return prompt
+
+    def generate(
         self, request_id: str, prompt: dict[str, Any], request: Any, max_tokens: int
-    ) -> tuple[SamplingParams, tuple[str | None, EngineCoreRequest]]:
-        """The request's SamplingParams and the engine's processed input, built now so that
-        bad input is a 400 before a stream starts; pass both to `engine.generate`."""
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Validate now (bad input is a 400 before a stream starts) and return the engine's
+        output stream: sampling, or with `use_beam_search` a beam search whose best `n`
+        beams are the choices."""
         try:
-            params = request.to_sampling_params(max_tokens, self.default_sampling)
+            if getattr(request, "use_beam_search", False):
+                params: Any = request.to_beam_search_params(max_tokens, self.default_sampling)
+            else:
+                params = request.to_sampling_params(max_tokens, self.default_sampling)
             processed = self.engine.processor.process_inputs(
                 request_id, prompt, params, None, request.priority
             )
         except ValueError as e:
             raise OpenAIError(str(e)) from e
-        return params, processed
+        outputs = self.engine.generate(
+            prompt, params, request_id, priority=request.priority, processed=processed
+        )
+        if isinstance(params, BeamSearchParams):
+            return _best_beams(outputs, request.n)
+        return outputs
 
     # ------------------------------------------------------------------------- logprobs
 
-    def token_text(self, token_id: int, logprob: Logprob | None = None) -> str:
+    def token_text(self, token_id: int, logprob: Logprob | None = None, as_id: bool = False) -> str:
+        """A token as logprobs show it: its text, or `token_id:<id>` with vLLM's
+        `return_tokens_as_token_ids` (for tokens that are not valid UTF-8 on their own)."""
+        if as_id:
+            return f"token_id:{token_id}"
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
         return self.tokenizer.decode([token_id])
@@ -149,37 +172,53 @@ class OpenAIServing:
         self,
         token_ids: list[int],
         step_logprobs: list[dict[int, Logprob] | None],
+        num_top: int,
         initial_text_offset: int = 0,
+        as_ids: bool = False,
     ) -> CompletionLogProbs:
         """The legacy completions format: per token its text, logprob, text offset, and a
-        {text: logprob} map of the sampled token and its alternatives."""
-        result = CompletionLogProbs()
+        {text: logprob} map of the token and its `num_top` best alternatives (null for a
+        position without logprobs, as OpenAI reports the first prompt token)."""
+        tokens: list[str] = []
+        offsets: list[int] = []
+        token_logprobs: list[float | None] = []
+        top_logprobs: list[dict[str, float] | None] = []
         offset = initial_text_offset
         for i, token_id in enumerate(token_ids):
             step = step_logprobs[i] if i < len(step_logprobs) else None
-            sampled = step.get(token_id) if step else None
-            text = self.token_text(token_id, sampled)
-            result.tokens.append(text)
-            result.text_offset.append(offset)
+            chosen = step.get(token_id) if step else None
+            text = self.token_text(token_id, chosen, as_ids)
+            tokens.append(text)
+            offsets.append(offset)
             offset += len(text)
-            if step is None or sampled is None:
-                result.token_logprobs.append(None)
-                result.top_logprobs.append(None)
+            if step is None or chosen is None:
+                token_logprobs.append(None)
+                top_logprobs.append(None)
                 continue
-            result.token_logprobs.append(max(sampled.logprob, -9999.0))
-            result.top_logprobs.append(
-                {self.token_text(tid, lp): max(lp.logprob, -9999.0) for tid, lp in step.items()}
-            )
-        return result
+            token_logprobs.append(max(chosen.logprob, -9999.0))
+            best = sorted(step.items(), key=lambda kv: -kv[1].logprob)[:num_top]
+            top = {self.token_text(token_id, chosen, as_ids): max(chosen.logprob, -9999.0)}
+            top.update((self.token_text(t, lp, as_ids), max(lp.logprob, -9999.0)) for t, lp in best)
+            top_logprobs.append(top)
+        return CompletionLogProbs(
+            text_offset=offsets,
+            token_logprobs=token_logprobs,
+            tokens=tokens,
+            top_logprobs=top_logprobs,
+        )
 
     def chat_logprobs(
-        self, token_ids: list[int], step_logprobs: list[dict[int, Logprob]] | None, top: int
+        self,
+        token_ids: list[int],
+        step_logprobs: list[dict[int, Logprob]] | None,
+        top: int,
+        as_ids: bool = False,
     ) -> ChatCompletionLogProbs:
         content: list[ChatCompletionLogProbsContent] = []
         for i, token_id in enumerate(token_ids):
             step = step_logprobs[i] if step_logprobs and i < len(step_logprobs) else {}
             sampled = step.get(token_id)
-            text = self.token_text(token_id, sampled)
+            text = self.token_text(token_id, sampled, as_ids)
             alternatives = sorted(step.items(), key=lambda kv: -kv[1].logprob)[:top]
             content.append(
                 ChatCompletionLogProbsContent(
@@ -188,7 +227,7 @@ class OpenAIServing:
                     bytes=list(text.encode("utf-8", errors="replace")),
                     top_logprobs=[
                         ChatCompletionLogProb(
-                            token=(t := self.token_text(tid, lp)),
+                            token=(t := self.token_text(tid, lp, as_ids)),
                             logprob=max(lp.logprob, -9999.0),
                             bytes=list(t.encode("utf-8", errors="replace")),
                         )
@@ -244,6 +283,18 @@ async def final_output(generator: AsyncGenerator[Any, None]) -> Any:
         raise OpenAIError.from_exception(e) from e
     assert final is not None
     return final
+
+
+async def _best_beams(
+    outputs: AsyncGenerator[RequestOutput, None], n: int
+) -> AsyncGenerator[RequestOutput, None]:
+    """A beam search's outputs with only its `n` best beams (beam_width may be larger)."""
+    try:
+        async for out in outputs:
+            out.outputs = out.outputs[:n]
+            yield out
+    finally:
+        await outputs.aclose()
 
 
 def make_usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:

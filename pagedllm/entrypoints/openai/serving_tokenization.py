@@ -10,6 +10,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
+from pagedllm.entrypoints.openai.request_checks import check_fields
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_engine import OpenAIError
 
@@ -21,6 +22,7 @@ class OpenAIServingTokenization(OpenAIServingChat):
         self, request: TokenizeCompletionRequest | TokenizeChatRequest
     ) -> TokenizeResponse:
         self.check_request(request.model)
+        check_fields(request)
         if isinstance(request, TokenizeChatRequest):
             text = self.render_messages(
                 request.messages,
@@ -42,6 +44,7 @@ class OpenAIServingTokenization(OpenAIServingChat):
 
     async def create_detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         self.check_request(request.model)
+        check_fields(request)
         vocab = self.engine.model_config.vocab_size
         bad = [t for t in request.tokens if not 0 <= t < vocab]
         if bad:
