@@ -90,6 +90,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):  # type: ignore[call-a
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
     outputs: list[EngineCoreOutput] = []
     scheduler_stats: SchedulerStats | None = None
+    # The core's time.monotonic() when the step that made these outputs finished (metrics).
+    timestamp: float = 0.0
     # Reply to a utility call: (call id, result or None, error message or None).
     utility_output: tuple[int, Any, str | None] | None = None
 

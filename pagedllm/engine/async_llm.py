@@ -80,10 +80,7 @@ class AsyncLLM:
         self.prometheus: PrometheusStatLogger | None = None
         if stat_loggers is None and log_stats:
             self.prometheus = PrometheusStatLogger(
-                mc.name,
-                max_model_len=mc.max_model_len,
-                num_blocks=self.engine_core.num_blocks,
-                block_size=config.cache_config.block_size,
+                mc.name, max_model_len=mc.max_model_len, cache_config=config.cache_config
             )
             stat_loggers = [LoggingStatLogger(), self.prometheus]
         self.stat_loggers: list[StatLoggerBase] = list(stat_loggers or [])
@@ -259,7 +256,9 @@ class AsyncLLM:
                 batch = outputs.outputs
                 for start in range(0, max(len(batch), 1), _OUTPUT_CHUNK_SIZE):
                     chunk = batch[start : start + _OUTPUT_CHUNK_SIZE]
-                    processed = self.output_processor.process_outputs(chunk, stats)
+                    processed = self.output_processor.process_outputs(
+                        chunk, stats, outputs.timestamp
+                    )
                     if processed.reqs_to_abort:
                         await self.engine_core.abort_requests_async(processed.reqs_to_abort)
                     if start + _OUTPUT_CHUNK_SIZE < len(batch):

@@ -71,7 +71,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = self.engine_core.get_output()
         it = IterationStats() if self.stat_loggers else None
-        processed = self.output_processor.process_outputs(outputs.outputs, it)
+        processed = self.output_processor.process_outputs(outputs.outputs, it, outputs.timestamp)
         if processed.reqs_to_abort:
             self.engine_core.abort_requests(processed.reqs_to_abort)
         for stat_logger in self.stat_loggers:

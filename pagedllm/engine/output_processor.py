@@ -16,7 +16,7 @@ from typing import Any
 from pagedllm.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagedllm.engine.detokenizer import IncrementalDetokenizer, decode_token
 from pagedllm.engine.parallel_sampling import ParentRequest
-from pagedllm.metrics.stats import FinishedRequestStats, IterationStats
+from pagedllm.metrics.stats import IterationStats, RequestStateStats
 from pagedllm.outputs import (
     CompletionOutput,
     Logprob,
@@ -99,10 +99,12 @@ class RequestState:
     prompt_logprobs: PromptLogprobs | None = None
     sent_text: int = 0
     sent_tokens: int = 0
-    first_token_time: float | None = None
-    last_token_time: float | None = None
     num_cached_tokens: int = 0
     sampling_params: SamplingParams | None = None
+    stats: RequestStateStats = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stats = RequestStateStats(arrival_time=self.arrival_time)
 
 
 @dataclass
@@ -176,23 +178,33 @@ class OutputProcessor:
         self,
         outputs: list[EngineCoreOutput],
         iteration_stats: IterationStats | None = None,
+        engine_core_timestamp: float | None = None,
     ) -> OutputProcessorOutput:
+        """`engine_core_timestamp`: the core's monotonic time of the step that made these
+        outputs (`EngineCoreOutputs.timestamp`; default: now)."""
         now = time.time()
+        engine_ts = engine_core_timestamp or time.monotonic()
         request_outputs: list[RequestOutput] = []
         reqs_to_abort: list[str] = []
         for out in outputs:
             state = self.request_states.get(out.request_id)
             if state is None:
                 continue  # aborted meanwhile
+            state.stats.observe_events(out.events)
             if out.beam_sequences is not None:
                 ro = self._beam_request_output(state, out)
+                num_tokens = sum(len(c.token_ids) for c in ro.outputs)
+                prompt_len = len(state.prompt_token_ids)
+                state.stats.observe_tokens(num_tokens, prompt_len, now, engine_ts, iteration_stats)
                 self._finish(state, out.finish_reason, now, iteration_stats)
                 if state.queue is not None:
                     state.queue.put(ro)
                 else:
                     request_outputs.append(ro)
                 continue
-            self._update_stats(state, out, now, iteration_stats)
+            state.stats.observe_tokens(
+                len(out.new_token_ids), len(state.prompt_token_ids), now, engine_ts, iteration_stats
+            )
             finish_reason, stop_reason = out.finish_reason, out.stop_reason
             if state.detokenizer is not None and out.new_token_ids:
                 stop_str = state.detokenizer.update(
@@ -219,23 +231,6 @@ class OutputProcessor:
 
     # ---- helpers ---------------------------------------------------------------------------
 
-    def _update_stats(
-        self, state: RequestState, out: EngineCoreOutput, now: float, it: IterationStats | None
-    ) -> None:
-        n = len(out.new_token_ids)
-        if n == 0:
-            return
-        if state.first_token_time is None:
-            state.first_token_time = now
-            if it is not None:
-                it.num_prompt_tokens += len(state.prompt_token_ids)
-                it.time_to_first_tokens.append(now - state.arrival_time)
-        elif it is not None and state.last_token_time is not None:
-            it.inter_token_latencies.append(now - state.last_token_time)
-        state.last_token_time = now
-        if it is not None:
-            it.num_generation_tokens += n
-
     def _finish(
         self,
         state: RequestState,
@@ -244,24 +239,29 @@ class OutputProcessor:
         it: IterationStats | None,
     ) -> None:
         self.request_states.pop(state.request_id, None)
-        if state.parent is not None and state.parent.finished:
-            self.parents.pop(state.parent.request_id, None)
-        if it is not None:
-            ttft = (
-                state.first_token_time - state.arrival_time
-                if state.first_token_time is not None
-                else None
+        parent = state.parent
+        if parent is not None:
+            parent.observe_finished(len(state.token_ids))
+            if parent.finished:
+                self.parents.pop(parent.request_id, None)
+        if it is None:
+            return
+        params = state.sampling_params
+        it.finished_requests.append(
+            state.stats.finished(
+                str(reason),
+                now,
+                len(state.prompt_token_ids),
+                state.num_cached_tokens,
+                params.max_tokens if params is not None else None,
             )
-            it.finished_requests.append(
-                FinishedRequestStats(
-                    finish_reason=str(reason),
-                    e2e_latency=now - state.arrival_time,
-                    num_prompt_tokens=len(state.prompt_token_ids),
-                    num_generation_tokens=len(state.token_ids),
-                    time_to_first_token=ttft,
-                    num_cached_tokens=state.num_cached_tokens,
-                )
-            )
+        )
+        if parent is None:  # n and the longest sample, once per user request
+            it.n_params.append(1)
+            it.max_num_generation_tokens.append(len(state.token_ids))
+        elif parent.finished:
+            it.n_params.append(parent.n)
+            it.max_num_generation_tokens.append(parent.max_num_generation_tokens)
 
     def _add_logprobs(self, state: RequestState, out: EngineCoreOutput) -> None:
         if out.new_prompt_logprobs is not None and state.prompt_logprobs is None:
@@ -374,7 +374,7 @@ class OutputProcessor:
             num_cached_tokens=state.num_cached_tokens,
             metrics=RequestMetrics(
                 arrival_time=state.arrival_time,
-                first_token_time=state.first_token_time,
-                last_token_time=state.last_token_time,
+                first_token_time=state.stats.first_token_time,
+                last_token_time=state.stats.last_token_time,
             ),
         )

@@ -34,6 +34,7 @@ class ParentRequest:
         self.child_ids: list[str] = []
         self.completions: list[CompletionOutput | None] = [None] * self.n
         self.num_finished = 0
+        self.max_num_generation_tokens = 0  # the longest finished child (metrics)
 
     def get_child_info(self, index: int) -> tuple[str, SamplingParams]:
         """Child `index`'s request id and params (n=1; a seeded request gets seed + index so
@@ -62,6 +63,10 @@ class ParentRequest:
             return [completion]
         self.completions[index] = completion
         return [c for c in self.completions if c is not None]
+
+    def observe_finished(self, num_generation_tokens: int) -> None:
+        """A child finished with `num_generation_tokens` tokens (for the metrics)."""
+        self.max_num_generation_tokens = max(self.max_num_generation_tokens, num_generation_tokens)
 
     @property
     def finished(self) -> bool:

@@ -1,14 +1,26 @@
-"""`PrometheusStatLogger`: vLLM's Prometheus metrics, named `pagedllm:*`, in a private registry.
+"""`PrometheusStatLogger`: vLLM's Prometheus metrics, with vLLM's names, types, label names and
+buckets (`vllm:num_requests_running{model_name=...,engine=...}` ...), so vLLM's Grafana
+dashboards and autoscalers read a pagedllm server unchanged.
+
+Series vLLM has and pagedllm lacks the data for are left out rather than reported as zero:
+sleep state, LoRA, multimodal and external (KV-connector) prefix caches, NaN-corrupted
+requests, KV block residency. The old `pagedllm:*` names are gone (no deprecation period:
+every dashboard, test and benchmark in the repository reads the `vllm:` names).
 
 Each instance owns its `CollectorRegistry` (never the process-global one), so several engines
-in one process (tests) do not collide; `/metrics` renders `generate_latest(logger.registry)`.
-Every metric carries the labels `model_name` and `engine`.
+in one process (tests) do not collide; `/metrics` renders `render()`. Every series carries
+the labels `model_name` (the first served model name) and `engine` (the engine index).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from pagedllm.config import CacheConfig
 from pagedllm.engine import SchedulerStats
 from pagedllm.metrics.stats import IterationStats
 from pagedllm.spec_decode.metrics import SpecDecodingProm
@@ -18,29 +30,40 @@ _TTFT_BUCKETS = [
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 ]  # fmt: skip
-_ITL_BUCKETS = [
+_TOKEN_LATENCY_BUCKETS = [
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 ]  # fmt: skip
-_E2E_BUCKETS = [
+_REQUEST_LATENCY_BUCKETS = [
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 ]  # fmt: skip
+_ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+_N_BUCKETS = [1, 2, 5, 10, 20]
 _FINISH_REASONS = ("stop", "length", "abort")
+# CacheConfig field -> vLLM's label name in vllm:cache_config_info.
+_CACHE_INFO_LABELS = {"num_blocks": "num_gpu_blocks", "kv_cache_memory": "kv_cache_memory_bytes"}
 
 
-def _token_buckets(max_model_len: int) -> list[float]:
-    """1, 2, 5, 10, 20, 50, ... up to max_model_len."""
+def build_1_2_5_buckets(max_value: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count buckets)."""
     buckets: list[float] = []
-    mantissa = (1, 2, 5)
     exponent = 0
     while True:
-        for m in mantissa:
-            value = m * 10**exponent
-            if value > max_model_len:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
                 return buckets
             buckets.append(float(value))
         exponent += 1
+
+
+def cache_config_info(cache_config: CacheConfig) -> dict[str, str]:
+    """The `vllm:cache_config_info` labels: every cache setting, as a string."""
+    return {
+        _CACHE_INFO_LABELS.get(f.name, f.name): str(getattr(cache_config, f.name))
+        for f in dataclasses.fields(cache_config)
+    }
 
 
 class PrometheusStatLogger:
@@ -55,67 +78,99 @@ class PrometheusStatLogger:
         model_name: str,
         max_model_len: int = 2048,
         engine_index: int = 0,
-        num_blocks: int = 0,
-        block_size: int = 16,
+        cache_config: CacheConfig | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name", "engine"]
         values = (model_name, str(engine_index))
-        reg = self.registry
+        self._values = values
+        gauge, counter, histogram = self._factories(labels, values)
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"pagedllm:{name}", doc, labels, registry=reg).labels(*values)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(f"pagedllm:{name}", doc, labels, registry=reg).labels(*values)
-
-        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
-            return Histogram(f"pagedllm:{name}", doc, labels, buckets=buckets, registry=reg).labels(
-                *values
-            )
-
-        self.running = gauge("num_requests_running", "Requests in model execution batches.")
-        self.waiting = gauge("num_requests_waiting", "Requests waiting to be processed.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent.")
-        self.cache_blocks = gauge("num_kv_cache_blocks", "Number of KV-cache blocks.")
-        self.cache_blocks.set(num_blocks)
-        self.block_size = gauge("kv_cache_block_size", "Tokens per KV-cache block.")
-        self.block_size.set(block_size)
-        self.preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
-        self.prefix_queries = counter(
-            "prefix_cache_queries", "Prefix-cache queries, in tokens queried."
+        self.running = gauge(
+            "num_requests_running", "Number of requests in model execution batches."
         )
-        self.prefix_hits = counter("prefix_cache_hits", "Prefix-cache hits, in tokens hit.")
+        self.waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prefix_queries = counter(
+            "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.prefix_hits = counter(
+            "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
+        self.preemptions = counter(
+            "num_preemptions", "Cumulative number of preemption from the engine."
+        )
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter(
             "generation_tokens", "Number of generation tokens processed."
         )
-        success = Counter(
-            "pagedllm:request_success",
-            "Count of finished requests, by finish reason.",
+        self._success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
             [*labels, "finished_reason"],
-            registry=reg,
+            registry=self.registry,
         )
-        self.request_success = {r: success.labels(*values, r) for r in _FINISH_REASONS}
-        self._success_family = success
-        self._values = values
-        self.ttft = histogram(
-            "time_to_first_token_seconds", "Time to first token in seconds.", _TTFT_BUCKETS
-        )
-        self.itl = histogram(
-            "inter_token_latency_seconds", "Inter-token latency in seconds.", _ITL_BUCKETS
-        )
-        self.e2e = histogram(
-            "e2e_request_latency_seconds", "End-to-end request latency in seconds.", _E2E_BUCKETS
-        )
-        token_buckets = _token_buckets(max_model_len)
-        self.request_prompt_tokens = histogram(
-            "request_prompt_tokens", "Prompt tokens per finished request.", token_buckets
-        )
-        self.request_generation_tokens = histogram(
-            "request_generation_tokens", "Generation tokens per finished request.", token_buckets
-        )
-        self.spec_decoding = SpecDecodingProm(reg, labels, values)
+        self.request_success = {r: self._success.labels(*values, r) for r in _FINISH_REASONS}
+
+        tokens = build_1_2_5_buckets(max_model_len)
+        latency = _REQUEST_LATENCY_BUCKETS
+        for attr, name, doc, buckets in (
+            ("request_prompt_tokens", "request_prompt_tokens",
+             "Number of prefill tokens processed.", tokens),
+            ("request_generation_tokens", "request_generation_tokens",
+             "Number of generation tokens processed.", tokens),
+            ("iteration_tokens", "iteration_tokens_total",
+             "Histogram of number of tokens per engine_step.", _ITERATION_TOKEN_BUCKETS),
+            ("max_generation_tokens", "request_max_num_generation_tokens",
+             "Histogram of maximum number of requested generation tokens.", tokens),
+            ("params_n", "request_params_n", "Histogram of the n request parameter.",
+             _N_BUCKETS),
+            ("params_max_tokens", "request_params_max_tokens",
+             "Histogram of the max_tokens request parameter.", tokens),
+            ("ttft", "time_to_first_token_seconds",
+             "Histogram of time to first token in seconds.", _TTFT_BUCKETS),
+            ("itl", "inter_token_latency_seconds",
+             "Histogram of inter-token latency in seconds.", _TOKEN_LATENCY_BUCKETS),
+            ("tpot", "request_time_per_output_token_seconds",
+             "Histogram of time_per_output_token_seconds per request.", _TOKEN_LATENCY_BUCKETS),
+            ("e2e", "e2e_request_latency_seconds",
+             "Histogram of e2e request latency in seconds.", latency),
+            ("queue_time", "request_queue_time_seconds",
+             "Histogram of time spent in WAITING phase for request.", latency),
+            ("inference_time", "request_inference_time_seconds",
+             "Histogram of time spent in RUNNING phase for request.", latency),
+            ("prefill_time", "request_prefill_time_seconds",
+             "Histogram of time spent in PREFILL phase for request.", latency),
+            ("decode_time", "request_decode_time_seconds",
+             "Histogram of time spent in DECODE phase for request.", latency),
+        ):  # fmt: skip
+            setattr(self, attr, histogram(name, doc, buckets))
+        if cache_config is not None:
+            info = {**cache_config_info(cache_config), "engine": str(engine_index)}
+            Gauge(
+                "vllm:cache_config_info",
+                "Information of the LLMEngine CacheConfig",
+                list(info),
+                registry=self.registry,
+            ).labels(**info).set(1)
+        self.spec_decoding = SpecDecodingProm(self.registry, labels, values)
+
+    def _factories(
+        self, labels: list[str], values: tuple[str, ...]
+    ) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+        reg = self.registry
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(f"vllm:{name}", doc, labels, registry=reg).labels(*values)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(f"vllm:{name}", doc, labels, registry=reg).labels(*values)
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Any:
+            metric = Histogram(f"vllm:{name}", doc, labels, buckets=buckets, registry=reg)
+            return metric.labels(*values)
+
+        return gauge, counter, histogram
 
     def record(
         self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None
@@ -127,25 +182,37 @@ class PrometheusStatLogger:
             self.preemptions.inc(scheduler_stats.num_preemptions)
             self.prefix_queries.inc(scheduler_stats.prefix_cache_queries)
             self.prefix_hits.inc(scheduler_stats.prefix_cache_hits)
-            if scheduler_stats.num_blocks_total:
-                self.cache_blocks.set(scheduler_stats.num_blocks_total)
             self.spec_decoding.observe(scheduler_stats.spec_decode)
-        if iteration_stats is None:
-            return
-        self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
-        self.generation_tokens.inc(iteration_stats.num_generation_tokens)
-        for ttft in iteration_stats.time_to_first_tokens:
+        if iteration_stats is not None:
+            self._record_iteration(iteration_stats)
+
+    def _record_iteration(self, it: IterationStats) -> None:
+        self.prompt_tokens.inc(it.num_prompt_tokens)
+        self.generation_tokens.inc(it.num_generation_tokens)
+        self.iteration_tokens.observe(it.num_prompt_tokens + it.num_generation_tokens)
+        for ttft in it.time_to_first_tokens:
             self.ttft.observe(ttft)
-        for itl in iteration_stats.inter_token_latencies:
+        for itl in it.inter_token_latencies:
             self.itl.observe(itl)
-        for finished in iteration_stats.finished_requests:
+        for n in it.n_params:
+            self.params_n.observe(n)
+        for num_tokens in it.max_num_generation_tokens:
+            self.max_generation_tokens.observe(num_tokens)
+        for finished in it.finished_requests:
             reason = finished.finish_reason
             if reason not in self.request_success:
-                self.request_success[reason] = self._success_family.labels(*self._values, reason)
+                self.request_success[reason] = self._success.labels(*self._values, reason)
             self.request_success[reason].inc()
             self.e2e.observe(finished.e2e_latency)
+            self.queue_time.observe(finished.queued_time)
+            self.prefill_time.observe(finished.prefill_time)
+            self.inference_time.observe(finished.inference_time)
+            self.decode_time.observe(finished.decode_time)
+            self.tpot.observe(finished.mean_time_per_output_token)
             self.request_prompt_tokens.observe(finished.num_prompt_tokens)
             self.request_generation_tokens.observe(finished.num_generation_tokens)
+            if finished.max_tokens_param:
+                self.params_max_tokens.observe(finished.max_tokens_param)
 
     def log(self) -> None:
         pass

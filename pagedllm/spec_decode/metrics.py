@@ -113,7 +113,7 @@ class SpecDecodingLogging:
 
 
 class SpecDecodingProm:
-    """vLLM's four spec-decode counters in a Prometheus registry, named `pagedllm:*`.
+    """vLLM's four spec-decode counters in a Prometheus registry, with vLLM's names.
 
     The counters are registered on the first stats that carry spec-decode counts, so an engine
     without speculative decoding exposes none of them.
@@ -131,12 +131,12 @@ class SpecDecodingProm:
 
     def _register(self) -> dict[str, Any]:
         def counter(name: str, doc: str) -> Any:
-            return Counter(f"pagedllm:{name}", doc, self.labelnames, registry=self.registry).labels(
+            return Counter(f"vllm:{name}", doc, self.labelnames, registry=self.registry).labels(
                 *self.labelvalues
             )
 
         self._per_pos_family = Counter(
-            "pagedllm:spec_decode_num_accepted_tokens_per_pos",
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
             "Accepted tokens per draft position.",
             [*self.labelnames, "position"],
             registry=self.registry,

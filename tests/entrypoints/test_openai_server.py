@@ -54,7 +54,7 @@ def _metrics(server) -> dict[str, float]:
     text = httpx.get(f"{server.url}/metrics").text
     values = {}
     for line in text.splitlines():
-        if line.startswith("pagedllm:"):
+        if line.startswith("vllm:"):
             name, value = line.rsplit(" ", 1)
             values[name.split("{")[0] if "finished_reason" not in name else name] = float(value)
     return values
@@ -286,14 +286,14 @@ def test_abandoned_stream_frees_blocks(server):
     deadline = time.monotonic() + 20
     while True:
         m = _metrics(server)
-        if m["pagedllm:num_requests_running"] == 0 and m["pagedllm:kv_cache_usage_perc"] == 0:
+        if m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0:
             break
         assert time.monotonic() < deadline, m
         time.sleep(0.2)
-    assert m["pagedllm:generation_tokens_total"] > 0
-    assert m["pagedllm:prompt_tokens_total"] > 0
-    assert m["pagedllm:time_to_first_token_seconds_count"] > 0
-    assert "pagedllm:e2e_request_latency_seconds_count" in m
+    assert m["vllm:generation_tokens_total"] > 0
+    assert m["vllm:prompt_tokens_total"] > 0
+    assert m["vllm:time_to_first_token_seconds_count"] > 0
+    assert "vllm:e2e_request_latency_seconds_count" in m
     # It was aborted (not run to its 200 tokens), and the server logged it.
     assert "Aborted request cmpl-" in server.logs()
 

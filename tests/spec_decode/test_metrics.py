@@ -36,10 +36,10 @@ def test_prometheus_counters():
     prom.record(_stats(), None)
     text = prom.render().decode()
     labels = 'engine="0",model_name="m"'
-    assert f"pagedllm:spec_decode_num_drafts_total{{{labels}}} 6.0" in text
-    assert f"pagedllm:spec_decode_num_draft_tokens_total{{{labels}}} 16.0" in text
-    assert f"pagedllm:spec_decode_num_accepted_tokens_total{{{labels}}} 8.0" in text
-    per_pos = 'pagedllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m"'
+    assert f"vllm:spec_decode_num_drafts_total{{{labels}}} 6.0" in text
+    assert f"vllm:spec_decode_num_draft_tokens_total{{{labels}}} 16.0" in text
+    assert f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} 8.0" in text
+    per_pos = 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m"'
     assert f'{per_pos},position="0"}} 4.0' in text
     assert f'{per_pos},position="2"}} 2.0' in text
 

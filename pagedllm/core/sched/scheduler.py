@@ -31,6 +31,7 @@ is admitted and preempted whole.
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -495,7 +496,9 @@ class Scheduler:
                 num_finished += 1
         if num_finished:
             self.running = [r for r in self.running if not r.is_finished()]
-        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats())
+        return EngineCoreOutputs(
+            outputs=outputs, scheduler_stats=self.make_stats(), timestamp=time.monotonic()
+        )
 
     def _advance_beams(
         self, beam: Request, candidates: BeamCandidates, outputs: list[EngineCoreOutput]
