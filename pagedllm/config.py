@@ -54,8 +54,11 @@ class ModelConfig:
     dtype: torch.dtype
     max_model_len: int
     seed: int = 0
-    served_model_name: str | None = None
+    # The names the server accepts as `model`; the first is the one it reports.
+    served_model_name: str | list[str] | None = None
     trust_remote_code: bool = False
+    # Most logprobs a request may ask for (logprobs / prompt_logprobs); -1: no limit.
+    max_logprobs: int = 20
     # From generation_config.json: default EOS ids and sampling defaults.
     eos_token_ids: list[int] = field(default_factory=list)
     generation_config: dict[str, Any] = field(default_factory=dict)
@@ -91,8 +94,16 @@ class ModelConfig:
         return hd or self.hidden_size // self.num_attention_heads
 
     @property
+    def served_model_names(self) -> list[str]:
+        """Every name the model is served under (default: the model path)."""
+        names = self.served_model_name
+        if isinstance(names, str):
+            return [names]
+        return list(names) if names else [self.model]
+
+    @property
     def name(self) -> str:
-        return self.served_model_name or self.model
+        return self.served_model_names[0]
 
     def get_diff_sampling_param(self) -> dict[str, Any]:
         """SamplingParams defaults from generation_config.json (vLLM's name): temperature,
@@ -116,7 +127,7 @@ class CacheConfig:
 
     block_size: int = 16
     enable_prefix_caching: bool = True
-    kv_cache_memory: int | None = None  # bytes (CPU); None -> default below
+    kv_cache_memory_bytes: int | None = None  # CPU KV-cache size; None -> default below
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     num_blocks: int | None = None
@@ -126,8 +137,10 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size % 8 != 0 and self.block_size not in (1, 2, 4):
             raise ValueError(f"block_size={self.block_size} must be a positive multiple of 8")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory={self.kv_cache_memory} must be positive (bytes)")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(
+                f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} must be positive (bytes)"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]"

@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import time
 import traceback
 from collections.abc import AsyncIterator
@@ -83,7 +84,30 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--percentile-metrics", default="ttft,tpot,itl")
     parser.add_argument("--metric-percentiles", default="99")
-    parser.add_argument("--output-json", default=None, help="write the results here")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("OPENAI_API_KEY"),
+        help="sent as `Authorization: Bearer KEY` (default: $OPENAI_API_KEY)",
+    )
+    parser.add_argument("--save-result", action="store_true", help="write vLLM's JSON result file")
+    parser.add_argument(
+        "--save-detailed",
+        action="store_true",
+        help="with --save-result: add per-request lengths, TTFTs, ITLs, texts and errors",
+    )
+    parser.add_argument("--result-dir", default=None, help="where --save-result writes")
+    parser.add_argument(
+        "--result-filename",
+        default=None,
+        help="file name for --save-result (default: vLLM's "
+        "{backend}-{rate}qps[-concurrency{n}]-{model}-{date}.json)",
+    )
+    parser.add_argument(
+        "--metadata", nargs="*", default=None, metavar="KEY=VALUE", help="added to the result"
+    )
+    parser.add_argument(
+        "--output-json", default=None, help="write the detailed result to this path"
+    )
     parser.add_argument("--disable-tqdm", action="store_true")
     add_dataset_args(parser)
     # Engine flags are accepted so a `serve` command line can be reused; `--tokenizer`,
@@ -215,7 +239,8 @@ async def run_benchmark(
     inputs = [make_input(r) for r in requests]
     limits = httpx.Limits(max_connections=args.max_concurrency, max_keepalive_connections=None)
     timeout = httpx.Timeout(_HTTP_TIMEOUT_S)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    headers = auth_headers(args)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
         print("Starting initial single prompt test run...")
         test = await send_request(client, inputs[0], chat)
         if not test.success:
@@ -313,8 +338,8 @@ def main(args: argparse.Namespace) -> int:
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     model_id = args.model
     if model_id is None:
-        model_id = asyncio.run(_list_first_model(httpx, base_url))
-    model_name = args.served_model_name or model_id
+        model_id = asyncio.run(_list_first_model(httpx, base_url, auth_headers(args)))
+    model_name = args.served_model_name[0] if args.served_model_name else model_id
     tokenizer_id = args.tokenizer or model_id
     tokenizer = get_tokenizer(tokenizer_id, args.trust_remote_code)
     requests = get_requests(args, tokenizer)
@@ -332,9 +357,10 @@ def main(args: argparse.Namespace) -> int:
     failed = [o.error for o in outputs if not o.success]
     if failed:
         print(f"{len(failed)} request(s) failed; the first error: {failed[0]}")
-    if args.output_json:
+    if args.save_result or args.output_json:
+        now = datetime.now().strftime("%Y%m%d-%H%M%S")
         result.update(
-            date=datetime.now().strftime("%Y%m%d-%H%M%S"),
+            date=now,
             backend="pagedllm",
             endpoint=args.endpoint,
             model_id=model_id,
@@ -344,6 +370,9 @@ def main(args: argparse.Namespace) -> int:
             burstiness=args.burstiness,
             max_concurrency=args.max_concurrency,
             goodput=slos or None,
+            **_parse_metadata(args.metadata),
+        )
+        detailed = dict(
             input_lens=[o.prompt_len for o in outputs],
             output_lens=[output_len_of(o) for o in outputs],
             ttfts=[o.ttft for o in outputs],
@@ -351,10 +380,40 @@ def main(args: argparse.Namespace) -> int:
             generated_texts=[o.generated_text for o in outputs],
             errors=[o.error for o in outputs],
         )
-        write_json(args.output_json, result)
+        if args.save_result:
+            path = result_path(args, model_id, now)
+            write_json(path, {**result, **detailed} if args.save_detailed else result)
+            print(f"Saved the result to {path}")
+        if args.output_json:
+            write_json(args.output_json, {**result, **detailed})
     return 0
 
 
-async def _list_first_model(httpx: Any, base_url: str) -> str:
-    async with httpx.AsyncClient(timeout=30.0) as client:
+def auth_headers(args: argparse.Namespace) -> dict[str, str]:
+    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+
+def result_path(args: argparse.Namespace, model_id: str, date: str) -> str:
+    """vLLM's --save-result file: --result-filename, or
+    `pagedllm-{rate}qps[-concurrency{n}]-{model}-{date}.json`, in --result-dir."""
+    name = args.result_filename
+    if name is None:
+        concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
+        model = os.path.basename(model_id.rstrip("/")) or "model"
+        name = f"pagedllm-{args.request_rate}qps{concurrency}-{model}-{date}.json"
+    return os.path.join(args.result_dir, name) if args.result_dir else name
+
+
+def _parse_metadata(items: list[str] | None) -> dict[str, str]:
+    metadata = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--metadata {item!r} is not KEY=VALUE")
+        metadata[key] = value
+    return metadata
+
+
+async def _list_first_model(httpx: Any, base_url: str, headers: dict[str, str]) -> str:
+    async with httpx.AsyncClient(timeout=30.0, headers=headers) as client:
         return await _first_model(client, base_url)

@@ -33,8 +33,10 @@ class EngineArgs:
 
     model: str = ""
     tokenizer: str | None = None
-    served_model_name: str | None = None
+    served_model_name: str | list[str] | None = None
     trust_remote_code: bool = False
+    generation_config: str = "auto"
+    max_logprobs: int = 20
     dtype: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
@@ -44,7 +46,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     long_prefill_token_threshold: int = 0
-    kv_cache_memory: int | None = None
+    kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     scheduling_policy: str = "fcfs"
@@ -60,7 +62,13 @@ class EngineArgs:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
-        """Build from keyword arguments; an unknown keyword is a ValueError naming it."""
+        """Build from keyword arguments (an alias in `ALIASES` counts as its field's name);
+        an unknown keyword is a ValueError naming it."""
+        for alias, name in ALIASES.items():
+            if alias in kwargs:
+                if name in kwargs:
+                    raise ValueError(f"{alias} and {name} are the same argument; pass one")
+                kwargs[name] = kwargs.pop(alias)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
@@ -82,7 +90,9 @@ class EngineArgs:
         device_config = DeviceConfig(self.device)
         hf_config = get_hf_config(self.model, trust_remote_code=self.trust_remote_code)
         max_model_len = self._resolve_max_model_len(hf_config)
-        generation_config = get_generation_config(self.model)
+        generation_config = self._generation_config(get_generation_config)
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs={self.max_logprobs} must be -1 (no limit) or >= 0")
         model_config = ModelConfig(
             model=self.model,
             tokenizer=self.tokenizer or self.model,
@@ -96,6 +106,7 @@ class EngineArgs:
             seed=self.seed,
             served_model_name=self.served_model_name,
             trust_remote_code=self.trust_remote_code,
+            max_logprobs=self.max_logprobs,
             eos_token_ids=get_eos_token_ids(self.model, hf_config, generation_config),
             generation_config=generation_config,
         )
@@ -113,7 +124,7 @@ class EngineArgs:
         cache_config = CacheConfig(
             block_size=self.block_size,
             enable_prefix_caching=self.enable_prefix_caching,
-            kv_cache_memory=self.kv_cache_memory,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
         )
@@ -145,6 +156,23 @@ class EngineArgs:
             extra=extra,
         )
 
+    def _generation_config(self, load: Any) -> dict[str, Any]:
+        """vLLM's `generation_config`: "auto" reads the model's generation_config.json,
+        "vllm" none (built-in defaults), anything else is a folder holding one."""
+        if self.generation_config == "auto":
+            return load(self.model)
+        if self.generation_config == "vllm":
+            return {}
+        from pagedllm.transformers_utils.config import resolve_local_dir
+
+        folder = resolve_local_dir(self.generation_config, what="generation_config")
+        if not (folder / "generation_config.json").is_file():
+            raise ValueError(
+                f"generation_config={self.generation_config!r} has no generation_config.json "
+                "(pass 'auto', 'vllm' or a folder holding one)"
+            )
+        return load(str(folder))
+
     def _resolve_max_model_len(self, hf_config: Any) -> int:
         derived = getattr(hf_config, "max_position_embeddings", None) or 2048
         if self.max_model_len is None:
@@ -164,23 +192,30 @@ class EngineArgs:
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         """Add one `--flag-name` per field (vLLM's spelling); booleans get `--no-...` too."""
         group = parser.add_argument_group("engine arguments")
+        aliases = {name: "--" + alias.replace("_", "-") for alias, name in ALIASES.items()}
         for f in fields(EngineArgs):
             if f.name == "model":
                 continue
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-")] + (
+                [aliases[f.name]] if f.name in aliases else []
+            )
             default = f.default
             help_text = _HELP.get(f.name, "")
             if f.type in ("bool", bool):
                 group.add_argument(
-                    flag,
+                    *flags,
                     action=argparse.BooleanOptionalAction,
                     default=default,
                     help=help_text,
                 )
             elif f.name == "speculative_config":
-                group.add_argument(flag, type=json.loads, default=None, help=help_text)
+                group.add_argument(*flags, type=json.loads, default=None, help=help_text)
+            elif f.name == "served_model_name":
+                group.add_argument(*flags, nargs="+", default=None, help=help_text)
+            elif f.name == "kv_cache_memory_bytes":
+                group.add_argument(*flags, type=human_readable_int, default=None, help=help_text)
             else:
-                group.add_argument(flag, type=_cli_type(f), default=default, help=help_text)
+                group.add_argument(*flags, type=_cli_type(f), default=default, help=help_text)
         return parser
 
     @classmethod
@@ -191,6 +226,26 @@ class EngineArgs:
     def as_kwargs(self) -> dict[str, Any]:
         """The fields as keyword arguments (`LLM(**engine_args.as_kwargs())`)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+# Other names an engine argument is also known by (kwarg and flag): the field it sets.
+ALIASES = {"kv_cache_memory": "kv_cache_memory_bytes"}
+
+
+def human_readable_int(value: str) -> int:
+    """vLLM's size syntax: an integer, or a number with a suffix, decimal in lower case
+    (`25.6k` = 25600) and binary in upper case (`4G` = 4 << 30)."""
+    value = value.strip()
+    units = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+    units |= {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    try:
+        if value and value[-1] in units:
+            return int(float(value[:-1]) * units[value[-1]])
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a size (an integer, or e.g. 512M, 4G, 25.6k)"
+        ) from None
 
 
 def _cli_type(f: dataclasses.Field) -> Any:
@@ -211,7 +266,13 @@ _HELP = {
     "enable_chunked_prefill": "Split long prompts over several steps.",
     "max_num_batched_tokens": "Token budget of one step.",
     "max_num_seqs": "Most requests running at once.",
-    "kv_cache_memory": "KV-cache size in bytes (CPU).",
+    "served_model_name": "Name(s) the model is served under (all accepted as `model`; the "
+    "first is reported). Default: the model path.",
+    "generation_config": "'auto' (the model's generation_config.json), 'vllm' (none: built-in "
+    "defaults) or a folder holding a generation_config.json.",
+    "max_logprobs": "Most logprobs / prompt_logprobs a request may ask for (-1: no limit).",
+    "kv_cache_memory_bytes": "KV-cache size in bytes on the CPU, e.g. 4G (alias: "
+    "--kv-cache-memory).",
     "num_gpu_blocks_override": "Number of KV blocks, overriding the computed one.",
     "scheduling_policy": "fcfs or priority (lower value first).",
     "device": "auto, cpu or cuda.",

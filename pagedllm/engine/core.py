@@ -48,7 +48,7 @@ class EngineCore:
             raise ValueError(
                 f"the KV cache holds {num_blocks} blocks of {cache.block_size} tokens, fewer "
                 f"than one request of max_model_len={max_len} needs ({needed} blocks); raise "
-                "kv_cache_memory (or num_gpu_blocks_override / gpu_memory_utilization) or "
+                "kv_cache_memory_bytes (or num_gpu_blocks_override / gpu_memory_utilization) or "
                 "lower max_model_len"
             )
         cache.num_blocks = num_blocks

@@ -20,8 +20,6 @@ from pagedllm.structured_output.backend_xgrammar import StructuredOutputValidato
 # carry a "cache_salt" (its prefix-cache namespace).
 PromptType = str | dict[str, Any]
 
-MAX_LOGPROBS = 20
-
 
 class Processor:
     def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
@@ -144,10 +142,14 @@ class Processor:
             )
 
     def _validate_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        limit = self.model_config.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
-            if value is not None and value > MAX_LOGPROBS:
-                raise ValueError(f"{name}={value} is more than the maximum ({MAX_LOGPROBS})")
+            if value is not None and limit >= 0 and value > limit:
+                raise ValueError(
+                    f"{name}={value} is more than the maximum ({limit}; the server's "
+                    "--max-logprobs)"
+                )
         for name in ("allowed_token_ids", "stop_token_ids", "logit_bias"):
             ids = getattr(params, name) or []  # logit_bias: its keys
             bad = [t for t in ids if not 0 <= t < self.vocab_size]

@@ -42,7 +42,7 @@ _ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8
 _N_BUCKETS = [1, 2, 5, 10, 20]
 _FINISH_REASONS = ("stop", "length", "abort")
 # CacheConfig field -> vLLM's label name in vllm:cache_config_info.
-_CACHE_INFO_LABELS = {"num_blocks": "num_gpu_blocks", "kv_cache_memory": "kv_cache_memory_bytes"}
+_CACHE_INFO_LABELS = {"num_blocks": "num_gpu_blocks"}
 
 
 def build_1_2_5_buckets(max_value: int) -> list[float]:

@@ -89,7 +89,7 @@ def run_one(args: argparse.Namespace, method: str, batch_size: int) -> dict[str,
     llm = LLM(
         model=args.model,
         dtype=args.dtype,
-        kv_cache_memory=args.kv_cache_memory,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         speculative_config=_spec_config(args, method),
     )
     tokenizer = llm.get_tokenizer()
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=96)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--kv-cache-memory", type=int, default=1 << 30)
+    parser.add_argument("--kv-cache-memory-bytes", "--kv-cache-memory", type=int, default=1 << 30)
     parser.add_argument(
         "--prompts",
         choices=["text", "copy"],

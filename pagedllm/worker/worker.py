@@ -57,7 +57,7 @@ class Worker:
                 * 4
             )
             return max(budget - act, 0) // per_block
-        memory = cache.kv_cache_memory or cache.DEFAULT_CPU_KV_CACHE_BYTES
+        memory = cache.kv_cache_memory_bytes or cache.DEFAULT_CPU_KV_CACHE_BYTES
         return memory // per_block
 
     def initialize_kv_cache(self, num_blocks: int) -> None:

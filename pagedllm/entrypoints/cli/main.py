@@ -37,11 +37,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _expand_config(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`pagedllm VERB ... --config FILE`: the file's flags go in front of the verb's own."""
+    from pagedllm.entrypoints.openai.cli_args import expand_config_file
+
+    verbs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if not argv or argv[0] not in verbs.choices:
+        return argv
+    return [argv[0], *expand_config_file(verbs.choices[argv[0]], argv[1:])]
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s"
     )
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = _expand_config(parser, argv)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     if args.version:
         from pagedllm import __version__

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import hmac
 import logging
+import sys
 from collections.abc import AsyncGenerator, Awaitable
 from contextlib import asynccontextmanager
 from http import HTTPStatus
@@ -22,12 +23,18 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.exceptions import EngineDeadError
-from pagedllm.entrypoints.openai.cli_args import load_chat_template, make_arg_parser
+from pagedllm.entrypoints.openai.cli_args import (
+    expand_config_file,
+    load_chat_template,
+    log_requests_enabled,
+    make_arg_parser,
+)
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -133,6 +140,19 @@ def _register_routes(app: FastAPI) -> None:
         body = prometheus.render() if prometheus is not None else b""
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(raw_request: Request) -> Response:
+        """Forget every cached prefix (vLLM's endpoint, e.g. between benchmark runs); 409
+        while requests still hold KV blocks."""
+        if not await raw_request.app.state.engine.reset_prefix_cache():
+            return _error_json(
+                OpenAIError(
+                    "the prefix cache can only be reset while no request holds KV blocks",
+                    HTTPStatus.CONFLICT,
+                )
+            )
+        return Response(status_code=200)
+
     @app.get("/v1/models")
     async def models(raw_request: Request) -> JSONResponse:
         state = raw_request.app.state
@@ -202,7 +222,7 @@ def _register_error_handlers(app: FastAPI) -> None:
 def init_app_state(app: FastAPI, engine: AsyncLLM, args: argparse.Namespace) -> None:
     """Attach the engine and the endpoint handlers to `app.state`."""
     mc = engine.model_config
-    names = [mc.name]
+    names = mc.served_model_names
     state = app.state
     state.engine = engine
     state.served_model_names = names
@@ -233,7 +253,7 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM | None = None) -> FastA
 
             engine_args = EngineArgs.from_cli_args(args)
             the_engine = AsyncLLM.from_engine_args(
-                engine_args, log_requests=not getattr(args, "disable_log_requests", False)
+                engine_args, log_requests=log_requests_enabled(args)
             )
         else:
             the_engine = engine
@@ -250,6 +270,14 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM | None = None) -> FastA
     _register_error_handlers(app)
     if getattr(args, "api_key", None):
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
+    # Added last, so outermost: CORS headers reach the browser on errors (401 too).
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=getattr(args, "allowed_origins", ["*"]),
+        allow_methods=getattr(args, "allowed_methods", ["*"]),
+        allow_headers=getattr(args, "allowed_headers", ["*"]),
+        allow_credentials=getattr(args, "allow_credentials", False),
+    )
     return app
 
 
@@ -278,6 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="pagedllm OpenAI-compatible server")
     parser.add_argument("--model", required=True, help="Local checkpoint directory.")
     make_arg_parser(parser)
+    argv = expand_config_file(parser, list(sys.argv[1:] if argv is None else argv))
     run_server(parser.parse_args(argv))
 
 

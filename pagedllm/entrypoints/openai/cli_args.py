@@ -4,11 +4,16 @@ engine flag from `EngineArgs.add_cli_args`."""
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import os
+from typing import Any
 
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
+
+logger = logging.getLogger(__name__)
 
 
 def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -35,10 +40,42 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Log level of uvicorn.",
     )
     group.add_argument(
+        "--config",
+        type=str,
+        default=None,
+        help="A YAML file of flags (keys are flag names, e.g. `max-model-len: 256`); flags "
+        "given on the command line win over the file.",
+    )
+    group.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="Log each request as it arrives (id, user, sampling parameters, prompt length) "
+        "and as it finishes or is aborted.",
+    )
+    group.add_argument(
         "--disable-log-requests",
         action="store_true",
-        help="Do not log one line per finished request.",
+        help="Deprecated (vLLM's old flag): requests are not logged unless --enable-log-requests.",
     )
+    group.add_argument(
+        "--allowed-origins",
+        type=json.loads,
+        default=["*"],
+        help='CORS: origins allowed, a JSON list (default ["*"]).',
+    )
+    group.add_argument(
+        "--allowed-methods",
+        type=json.loads,
+        default=["*"],
+        help='CORS: methods allowed, a JSON list (default ["*"]).',
+    )
+    group.add_argument(
+        "--allowed-headers",
+        type=json.loads,
+        default=["*"],
+        help='CORS: headers allowed, a JSON list (default ["*"]).',
+    )
+    group.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials.")
     group.add_argument(
         "--chat-template",
         type=str,
@@ -81,3 +118,68 @@ def load_chat_template(value: str | None) -> str | None:
     if "{" not in value:
         raise ValueError(f"--chat-template={value!r} is neither a file nor a Jinja template")
     return value
+
+
+def log_requests_enabled(args: argparse.Namespace) -> bool:
+    """`--enable-log-requests` (vLLM's flag); ValueError together with the old opposite."""
+    enabled = bool(getattr(args, "enable_log_requests", False))
+    if getattr(args, "disable_log_requests", False):
+        if enabled:
+            raise ValueError("--enable-log-requests and --disable-log-requests contradict")
+        logger.warning("--disable-log-requests is deprecated: requests are not logged by default")
+    return enabled
+
+
+def expand_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """Replace `--config FILE` in `argv` (a verb's arguments) by the flags the YAML file
+    holds, placed before all other arguments so that the command line wins (argparse keeps
+    the last value). Keys are flag names (`max-model-len` or `max_model_len`); `true` turns a
+    switch on and `false` off; a list fills a multi-value flag or becomes JSON, as does a
+    mapping. A key that is no flag is a ValueError naming it."""
+    if "--config" not in argv and not any(a.startswith("--config=") for a in argv):
+        return argv
+    rest: list[str] = []
+    path = None
+    it = iter(argv)
+    for arg in it:
+        if arg == "--config":
+            path = next(it, None)
+        elif arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+    if not path:
+        raise ValueError("--config needs a YAML file")
+    return _config_args(parser, path) + rest
+
+
+def _config_args(parser: argparse.ArgumentParser, path: str) -> list[str]:
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        config = yaml.safe_load(f) or {}
+    if not isinstance(config, dict):
+        raise ValueError(f"--config {path}: expected a mapping of flag names to values")
+    actions = {opt: a for a in parser._actions for opt in a.option_strings}
+    args: list[str] = []
+    for key, value in config.items():
+        flag = "--" + str(key).replace("_", "-")
+        action = actions.get(flag)
+        if action is None or flag == "--config":
+            raise ValueError(f"--config {path}: {key!r} is not a flag of this command")
+        args.extend(_flag_args(flag, action, value))
+    return args
+
+
+def _flag_args(flag: str, action: argparse.Action, value: Any) -> list[str]:
+    if isinstance(value, bool):
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return [flag if value else "--no-" + flag[2:]]
+        if action.nargs == 0:  # store_true
+            return [flag] if value else []
+        return [flag, json.dumps(value)]
+    if isinstance(value, list) and action.nargs in ("+", "*"):
+        return [flag, *(str(v) for v in value)]
+    if isinstance(value, (list, dict)):
+        return [flag, json.dumps(value)]
+    return [flag, str(value)]

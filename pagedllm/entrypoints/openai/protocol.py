@@ -99,7 +99,9 @@ class SamplingRequestMixin(OpenAIBaseModel, StructuredOutputsRequestMixin):
     stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
+    # End-user identifiers: logged with the request (--enable-log-requests).
     user: str | None = None
+    safety_identifier: str | None = None
     # vLLM's extra fields.
     top_k: int | None = None
     min_p: float | None = None

@@ -9,6 +9,7 @@ with the right HTTP status. Inside a stream that already started, the same body 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from http import HTTPStatus
 from typing import Any
@@ -27,10 +28,13 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import BeamSearchParams
 
+logger = logging.getLogger(__name__)
+
 _ERROR_TYPES = {
     HTTPStatus.BAD_REQUEST: "BadRequestError",
     HTTPStatus.UNAUTHORIZED: "AuthenticationError",
     HTTPStatus.NOT_FOUND: "NotFoundError",
+    HTTPStatus.CONFLICT: "ConflictError",
     HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
     HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
 }
@@ -150,6 +154,14 @@ class OpenAIServing:
             )
         except ValueError as e:
             raise OpenAIError(str(e)) from e
+        if self.engine.log_requests:
+            logger.info(
+                "Received request %s: prompt_tokens=%d, user=%s, params=%s",
+                request_id,
+                len(prompt["prompt_token_ids"]),
+                getattr(request, "user", None) or getattr(request, "safety_identifier", None),
+                params,
+            )
         outputs = self.engine.generate(
             prompt, params, request_id, priority=request.priority, processed=processed
         )
