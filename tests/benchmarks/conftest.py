@@ -31,6 +31,8 @@ class FakeServer:
     gap_s: float = 0.02
     url: str = ""
     bodies: list[dict] = field(default_factory=list)
+    # The Authorization header of every request (None when absent).
+    authorizations: list[str | None] = field(default_factory=list)
 
 
 def _sse(obj: dict | str) -> bytes:
@@ -44,11 +46,13 @@ def _build_app(fake: FakeServer):
     from starlette.routing import Route
 
     async def models(request):
+        fake.authorizations.append(request.headers.get("authorization"))
         return JSONResponse({"object": "list", "data": [{"id": fake.model_id, "object": "model"}]})
 
     async def generate(request):
         body = await request.json()
         fake.bodies.append(body)
+        fake.authorizations.append(request.headers.get("authorization"))
         chat = request.url.path.endswith("/chat/completions")
         if body.get("prompt") == [0]:
             return JSONResponse({"error": {"message": "bad prompt"}}, status_code=400)

@@ -159,6 +159,28 @@ def test_bench_serve_cli_end_to_end(fake_server, tmp_path, capsys):
     assert all(b["ignore_eos"] is True and len(b["prompt"]) == 8 for b in sent)
 
 
+def test_bench_serve_api_key_and_save_result(fake_server, tmp_path, monkeypatch, capsys):
+    """--api-key (or $OPENAI_API_KEY) reaches every request; --save-result writes vLLM's file
+    name in --result-dir, per-request fields only with --save-detailed."""
+    monkeypatch.setenv("OPENAI_API_KEY", "from-env")
+    args = ["bench", "serve", "--base-url", fake_server.url, "--num-prompts", "2",
+            "--input-len", "4", "--output-len", "2", "--disable-tqdm", "--save-result",
+            "--result-dir", str(tmp_path), "--metadata", "run=a", "--max-concurrency", "2"]  # fmt: skip
+    seen = len(fake_server.authorizations)
+    assert cli_main(args) == 0
+    assert set(fake_server.authorizations[seen:]) == {"Bearer from-env"}
+    (path,) = tmp_path.glob("pagedllm-infqps-concurrency2-*.json")
+    result = json.loads(path.read_text())
+    assert result["completed"] == 2 and result["run"] == "a" and "ttfts" not in result
+    seen = len(fake_server.authorizations)
+    detailed = tmp_path / "d.json"
+    rc = cli_main([*args, "--api-key", "flag", "--save-detailed", "--result-filename", "d.json"])
+    assert rc == 0
+    assert set(fake_server.authorizations[seen:]) == {"Bearer flag"}
+    assert len(json.loads(detailed.read_text())["ttfts"]) == 2
+    capsys.readouterr()
+
+
 def test_bench_serve_chat_sends_text(fake_server, capsys):
     rc = cli_main(
         ["bench", "serve", "--base-url", fake_server.url, "--endpoint", "/v1/chat/completions",

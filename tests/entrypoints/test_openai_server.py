@@ -24,6 +24,7 @@ SERVER_ARGS = [
     "--kv-cache-memory", str(4 << 20),
     "--api-key", API_KEY,
     "--seed", "0",
+    "--enable-log-requests",
 ]  # fmt: skip
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 
