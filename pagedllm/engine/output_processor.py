@@ -276,14 +276,23 @@ class OutputProcessor:
             state.logprobs.append(self._to_logprob_dict(entry))
             state.cumulative_logprob += entry[1][0]
 
-    def _to_logprob_dict(self, entry: tuple[list[int], list[float], int]) -> dict[int, Logprob]:
+    def _to_logprob_dict(
+        self, entry: tuple[list[int], list[float], int], decoded: dict[int, str] | None = None
+    ) -> dict[int, Logprob]:
+        """One position's {token id: Logprob}; `decoded` memoizes token texts across calls."""
         ids, lps, rank = entry
         result: dict[int, Logprob] = {}
         for j, (tid, lp) in enumerate(zip(ids, lps)):
             if tid in result:
                 continue
             r = rank if j == 0 else j
-            text = decode_token(self.tokenizer, tid) if self.tokenizer is not None else None
+            text = None
+            if self.tokenizer is not None:
+                text = decoded.get(tid) if decoded is not None else None
+                if text is None:
+                    text = decode_token(self.tokenizer, tid)
+                    if decoded is not None:
+                        decoded[tid] = text
             result[tid] = Logprob(logprob=lp, rank=r, decoded_token=text)
         return result
 
@@ -291,6 +300,7 @@ class OutputProcessor:
         """A finished beam search: one CompletionOutput per beam, best first, each with its
         cumulative logprob and, per token, the chosen token's and the candidates' logprobs."""
         completions = []
+        decoded: dict[int, str] = {}  # beams share most candidates: decode each token once
         for index, beam in enumerate(out.beam_sequences or ()):
             text = ""
             if state.detokenizer is not None:
@@ -306,7 +316,7 @@ class OutputProcessor:
                     text=text,
                     token_ids=beam.token_ids,
                     cumulative_logprob=beam.cum_logprob,
-                    logprobs=[self._to_logprob_dict(entry) for entry in beam.logprobs],
+                    logprobs=[self._to_logprob_dict(entry, decoded) for entry in beam.logprobs],
                     finish_reason=str(beam.finish_reason),
                     stop_reason=beam.stop_reason,
                 )

@@ -262,6 +262,9 @@ def test_beam_search_over_http(server, client, tiny_llama_dir):
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                   "stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
         ("/tokenize", {"prompt": "x", "return_tokens": True}, "return_tokens"),
+        ("/v1/completions", {"prompt": "x", "stream": True,
+                             "stream_options": {"include_usage": True, "verbose": 1}},
+         "stream_options.verbose"),
     ],
 )  # fmt: skip
 def test_fields_that_would_not_act_are_400(server, path, body, param):

@@ -123,23 +123,34 @@ class BeamGroup:
 
     def _select(self) -> list[_Choice]:
         params, eos = self.params, self.root.eos_token_id
-        choices: list[_Choice] = []
-        for beam in self.beams:
-            ids, logprobs, ranks = self._pending[beam.request_id]
-            base, prev = self._cum[beam.request_id], self._history[beam.request_id]
+        scored: list[tuple[float, int, int]] = []  # (cum logprob, beam index, candidate index)
+        for b, beam in enumerate(self.beams):
+            ids, logprobs, _ = self._pending[beam.request_id]
+            base = self._cum[beam.request_id]
             for j, (token_id, logprob) in enumerate(zip(ids, logprobs)):
-                history = _History(([token_id, *ids], [logprob, *logprobs], ranks[j]), prev)
-                cum = base + logprob
                 if token_id == eos and not params.ignore_eos:
                     tokens = list(beam.output_token_ids)
                     if params.include_stop_str_in_output:
                         tokens.append(token_id)
+                    history = self._extend_history(beam, j)
+                    cum = base + logprob
                     self._completed.append((tokens, history, cum, FinishReason.STOP, token_id))
                 else:
-                    choices.append(_Choice(beam, token_id, cum, history))
+                    scored.append((base + logprob, b, j))
         # Stable: among equal scores the earlier beam, then the better-ranked candidate, wins.
-        choices.sort(key=lambda c: -c.cum_logprob)
-        return choices[: params.beam_width]
+        scored.sort(key=lambda c: -c[0])
+        choices = []
+        for cum, b, j in scored[: params.beam_width]:
+            beam = self.beams[b]
+            token_id = self._pending[beam.request_id][0][j]
+            choices.append(_Choice(beam, token_id, cum, self._extend_history(beam, j)))
+        return choices
+
+    def _extend_history(self, beam: Request, j: int) -> _History:
+        """The beam's history plus the step that chose its candidate `j`."""
+        ids, logprobs, ranks = self._pending[beam.request_id]
+        entry = ([ids[j], *ids], [logprobs[j], *logprobs], ranks[j])
+        return _History(entry, self._history[beam.request_id])
 
     def _fork(self, choices: list[_Choice]) -> BeamStep:
         step = BeamStep()

@@ -62,6 +62,11 @@ def check_fields(request: BaseModel) -> None:
                 + (f" (only {list(_UNSUPPORTED[name])})" if _UNSUPPORTED[name] else ""),
                 param=name,
             )
+    for name in type(request).model_fields:
+        value = getattr(request, name)
+        if isinstance(value, BaseModel) and value.model_extra:
+            unknown = next(iter(value.model_extra))
+            raise OpenAIError(f"unknown field {name}.{unknown!r}", param=f"{name}.{unknown}")
     _check_cross_field_rules(request)
     if getattr(request, "use_beam_search", False):
         _check_beam_search(request)
