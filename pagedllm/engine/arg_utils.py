@@ -59,17 +59,22 @@ class EngineArgs:
     speculative_config: dict[str, Any] | None = None
     reasoning_parser: str | None = None
     disable_log_stats: bool = False
+    # The old name of kv_cache_memory_bytes, still accepted (see ALIASES).
+    kv_cache_memory: dataclasses.InitVar[int | None] = None
+
+    def __post_init__(self, kv_cache_memory: int | None) -> None:
+        if kv_cache_memory is not None:
+            if self.kv_cache_memory_bytes is not None:
+                raise ValueError(
+                    "kv_cache_memory and kv_cache_memory_bytes are the same argument; pass one"
+                )
+            self.kv_cache_memory_bytes = kv_cache_memory
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
-        """Build from keyword arguments (an alias in `ALIASES` counts as its field's name);
-        an unknown keyword is a ValueError naming it."""
-        for alias, name in ALIASES.items():
-            if alias in kwargs:
-                if name in kwargs:
-                    raise ValueError(f"{alias} and {name} are the same argument; pass one")
-                kwargs[name] = kwargs.pop(alias)
-        known = {f.name for f in fields(cls)}
+        """Build from keyword arguments (vLLM's names, or an alias in `ALIASES`); an unknown
+        keyword is a ValueError naming it."""
+        known = {f.name for f in fields(cls)} | set(ALIASES)
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise ValueError(

@@ -1,6 +1,5 @@
 """Server and engine flags: `--config` YAML files, aliases, vLLM's size syntax, several served
-names, `--generation-config`, `--max-logprobs`; then one live server configured by a YAML file
-(CORS, names, request logging, /reset_prefix_cache)."""
+names, `--generation-config`. (A live server configured by a YAML file: test_openai_surface.)"""
 
 from __future__ import annotations
 
@@ -8,12 +7,10 @@ import argparse
 import json
 from pathlib import Path
 
-import httpx
 import pytest
 
 from pagedllm.engine.arg_utils import EngineArgs, human_readable_int
 from pagedllm.entrypoints.openai.cli_args import expand_config_file, make_arg_parser
-from tests.entrypoints.conftest import RemoteServer
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -79,68 +76,3 @@ def test_generation_config_modes(tiny_llama_dir, tmp_path):
     assert all(model_own[k] == v for k, v in auto.items() if k in model_own)
     with pytest.raises(ValueError, match="generation_config"):
         defaults(str(tmp_path))  # a folder without the file
-
-
-MODEL_NAMES = ["first-name", "second-name"]
-
-
-@pytest.fixture(scope="module")
-def configured_server(tiny_llama_dir, tmp_path_factory):
-    path = tmp_path_factory.mktemp("config") / "serve.yaml"
-    path.write_text(
-        "served-model-name: [first-name, second-name]\ndtype: float32\nmax-model-len: 128\n"
-        "kv-cache-memory-bytes: 4M\nmax-logprobs: 3\nenable-log-requests: true\n"
-        'allowed-origins: ["http://allowed.example"]\nallowed-methods: ["POST"]\n'
-    )
-    with RemoteServer(tiny_llama_dir, ["--config", str(path)]) as server:
-        yield server
-
-
-def test_served_names_max_logprobs_and_request_log(configured_server):
-    url = configured_server.url
-    assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == MODEL_NAMES
-    body = {"prompt": "hi", "max_tokens": 2, "user": "user-7", "logprobs": 3}
-    for name in MODEL_NAMES:
-        r = httpx.post(f"{url}/v1/completions", json={"model": name, **body})
-        assert r.status_code == 200 and r.json()["model"] == "first-name"
-    r = httpx.post(f"{url}/v1/completions", json={**body, "logprobs": 4})
-    assert r.status_code == 400 and "max-logprobs" in r.json()["error"]["message"]
-    logs = configured_server.logs()
-    assert "Received request cmpl-" in logs and "user=user-7" in logs
-
-
-def test_cors(configured_server):
-    preflight = {"Access-Control-Request-Method": "POST"}
-    ok = httpx.options(
-        f"{configured_server.url}/v1/completions",
-        headers={"Origin": "http://allowed.example", **preflight},
-    )
-    assert ok.status_code == 200
-    assert ok.headers["access-control-allow-origin"] == "http://allowed.example"
-    refused = httpx.options(
-        f"{configured_server.url}/v1/completions",
-        headers={"Origin": "http://other.example", **preflight},
-    )
-    assert "access-control-allow-origin" not in refused.headers
-
-
-def test_reset_prefix_cache(configured_server):
-    url = configured_server.url
-
-    def hits() -> float:
-        lines = httpx.get(f"{url}/metrics").text.splitlines()
-        return sum(
-            float(x.rsplit(" ", 1)[1])
-            for x in lines
-            if x.startswith("vllm:prefix_cache_hits_total{")
-        )
-
-    prompt = {"model": "first-name", "prompt": "a b c d e f g h " * 8, "max_tokens": 1}
-    httpx.post(f"{url}/v1/completions", json=prompt)
-    before = hits()
-    httpx.post(f"{url}/v1/completions", json=prompt)
-    assert hits() > before  # cached
-    assert httpx.post(f"{url}/reset_prefix_cache").status_code == 200
-    before = hits()
-    httpx.post(f"{url}/v1/completions", json=prompt)
-    assert hits() == before  # forgotten

@@ -20,17 +20,28 @@ from openai.types.chat import ChatCompletionChunk
 from tests.entrypoints.conftest import API_KEY, RemoteServer
 
 MODEL = "tiny"
-SERVER_ARGS = [
-    "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "256",
-    "--kv-cache-memory", str(4 << 20), "--api-key", API_KEY, "--seed", "0",
-]  # fmt: skip
+MODEL_NAMES = [MODEL, "second-name"]
+# Most flags come from a YAML file (--config); the command line adds the API key.
+SERVER_CONFIG = f"""
+served-model-name: {MODEL_NAMES}
+dtype: float32
+max-model-len: 256
+kv-cache-memory-bytes: 4M
+seed: 0
+max-logprobs: 3
+enable-log-requests: true
+allowed-origins: ["http://allowed.example"]
+allowed-methods: ["POST"]
+"""
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir):
-    with RemoteServer(tiny_llama_dir, SERVER_ARGS) as srv:
+def server(tiny_llama_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("config") / "serve.yaml"
+    path.write_text(SERVER_CONFIG)
+    with RemoteServer(tiny_llama_dir, ["--config", str(path), "--api-key", API_KEY]) as srv:
         yield srv
 
 
@@ -210,8 +221,10 @@ def test_chat_prompt_logprobs_echo_and_truncation(server, client):
     assert short.usage.prompt_tokens == 3
 
 
-def test_beam_search_over_http(server, client, tiny_llama_dir):
+def test_beam_search_over_http(server, client, tiny_llama_dir, monkeypatch):
     from pagedllm import LLM, BeamSearchParams
+
+    monkeypatch.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")  # the offline reference
 
     ids = httpx.post(f"{server.url}/tokenize", json={"prompt": "The capital of"}).json()
     ids = ids["tokens"]
@@ -250,6 +263,7 @@ def test_beam_search_over_http(server, client, tiny_llama_dir):
         ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
         ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
         ("/v1/completions", {"prompt": "x", "use_beam_search": True, "top_p": 0.5}, "top_p"),
+        ("/v1/completions", {"prompt": "x", "length_penalty": 0.5}, "length_penalty"),
         ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}},
          "stream_options"),
         ("/v1/completions", {"prompt": "x", "logits_processors": ["m.P"]}, "logits_processors"),
@@ -325,4 +339,55 @@ def test_metrics_carry_vllm_names_and_phases(server, client):
     ):
         assert values[name] >= 1, name
     assert values["vllm:request_decode_time_seconds_sum"] > 0
-    assert 'vllm:cache_config_info{' in text and "pagedllm:" not in text
+    assert "vllm:cache_config_info{" in text and "pagedllm:" not in text
+
+
+def test_served_names_max_logprobs_and_request_log(server):
+    url = server.url
+    models = httpx.get(f"{url}/v1/models", headers=HEADERS).json()["data"]
+    assert [m["id"] for m in models] == MODEL_NAMES
+    body = {"prompt": "hi", "max_tokens": 2, "user": "user-7", "logprobs": 3}
+    for name in MODEL_NAMES:
+        r = httpx.post(f"{url}/v1/completions", json={"model": name, **body}, headers=HEADERS)
+        assert r.status_code == 200 and r.json()["model"] == MODEL
+    r = httpx.post(f"{url}/v1/completions", json={**body, "logprobs": 4}, headers=HEADERS)
+    assert r.status_code == 400 and "max-logprobs" in r.json()["error"]["message"]
+    logs = server.logs()
+    assert "Received request cmpl-" in logs and "user=user-7" in logs
+
+
+def test_cors(server):
+    preflight = {"Access-Control-Request-Method": "POST"}
+    ok = httpx.options(
+        f"{server.url}/v1/completions",
+        headers={"Origin": "http://allowed.example", **preflight},
+    )
+    assert ok.status_code == 200
+    assert ok.headers["access-control-allow-origin"] == "http://allowed.example"
+    refused = httpx.options(
+        f"{server.url}/v1/completions",
+        headers={"Origin": "http://other.example", **preflight},
+    )
+    assert "access-control-allow-origin" not in refused.headers
+
+
+def test_reset_prefix_cache(server):
+    url = server.url
+
+    def hits() -> float:
+        lines = httpx.get(f"{url}/metrics").text.splitlines()
+        return sum(
+            float(x.rsplit(" ", 1)[1])
+            for x in lines
+            if x.startswith("vllm:prefix_cache_hits_total{")
+        )
+
+    prompt = {"prompt": "a b c d e f g h " * 8, "max_tokens": 1}
+    _post(server, "/v1/completions", prompt)
+    before = hits()
+    _post(server, "/v1/completions", prompt)
+    assert hits() > before  # cached
+    assert httpx.post(f"{url}/reset_prefix_cache").status_code == 200
+    before = hits()
+    _post(server, "/v1/completions", prompt)
+    assert hits() == before  # forgotten

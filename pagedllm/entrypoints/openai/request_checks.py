@@ -66,7 +66,7 @@ def check_fields(request: BaseModel) -> None:
         value = getattr(request, name)
         if isinstance(value, BaseModel) and value.model_extra:
             unknown = next(iter(value.model_extra))
-            raise OpenAIError(f"unknown field {name}.{unknown!r}", param=f"{name}.{unknown}")
+            raise OpenAIError(f"unknown field '{name}.{unknown}'", param=f"{name}.{unknown}")
     _check_cross_field_rules(request)
     if getattr(request, "use_beam_search", False):
         _check_beam_search(request)
@@ -92,6 +92,10 @@ def _check_cross_field_rules(request: Any) -> None:
         )
     if best_of is not None and best_of < n:
         raise OpenAIError(f"best_of={best_of} must be >= n={n}", param="best_of")
+    if getattr(request, "length_penalty", 1.0) != 1.0 and not getattr(
+        request, "use_beam_search", False
+    ):
+        raise OpenAIError("length_penalty needs use_beam_search=true", param="length_penalty")
     if getattr(request, "max_tokens", None) == 0 and not getattr(request, "echo", False):
         raise OpenAIError("max_tokens=0 is only allowed with echo=true", param="max_tokens")
 
