@@ -19,7 +19,7 @@ import statistics
 import time
 from typing import Any
 
-from pagedllm.benchmarks.offline import add_model_and_engine_args, make_llm, write_json
+from pagedllm.benchmarks.offline import add_model_and_engine_args, make_llm, report
 
 MODES = ("beam_search", "n_samples", "vllm_style_beam_search")
 
@@ -134,10 +134,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             best["beam_search"] == best["vllm_style_beam_search"]
         )
     result["block_size"] = config.cache_config.block_size
-    for key, value in result.items():
-        print(f"{key:40s} {value:.4g}" if isinstance(value, float) else f"{key:40s} {value}")
-    if args.output_json:
-        write_json(args.output_json, result)
+    report(result, args.output_json)
     return result
 
 

@@ -49,3 +49,12 @@ def write_json(path: str, result: dict[str, Any]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(_json_safe(result), f, indent=4, allow_nan=False)
         f.write("\n")
+
+
+def report(result: dict[str, Any], output_json: str | None) -> None:
+    """Print `result` one key a line (floats to 4 significant digits); write it as JSON to
+    `output_json` when given."""
+    for key, value in result.items():
+        print(f"{key:40s} {value:.4g}" if isinstance(value, float) else f"{key:40s} {value}")
+    if output_json:
+        write_json(output_json, result)

@@ -17,7 +17,7 @@ import statistics
 import time
 from typing import Any
 
-from pagedllm.benchmarks.offline import add_model_and_engine_args, make_llm, write_json
+from pagedllm.benchmarks.offline import add_model_and_engine_args, make_llm, report
 
 RECORD = {
     "type": "object",
@@ -153,10 +153,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         **_compile_times(llm, args),
         "fsm_wait_ms": 1e3 * statistics.median(_fsm_wait(llm) for _ in range(5)),
     }
-    for key, value in result.items():
-        print(f"{key:40s} {value:.4g}" if isinstance(value, float) else f"{key:40s} {value}")
-    if args.output_json:
-        write_json(args.output_json, result)
+    report(result, args.output_json)
     return result
 
 
