@@ -57,24 +57,13 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="Deprecated (vLLM's old flag): requests are not logged unless --enable-log-requests.",
     )
-    group.add_argument(
-        "--allowed-origins",
-        type=json.loads,
-        default=["*"],
-        help='CORS: origins allowed, a JSON list (default ["*"]).',
-    )
-    group.add_argument(
-        "--allowed-methods",
-        type=json.loads,
-        default=["*"],
-        help='CORS: methods allowed, a JSON list (default ["*"]).',
-    )
-    group.add_argument(
-        "--allowed-headers",
-        type=json.loads,
-        default=["*"],
-        help='CORS: headers allowed, a JSON list (default ["*"]).',
-    )
+    for what in ("origins", "methods", "headers"):
+        group.add_argument(
+            f"--allowed-{what}",
+            type=json.loads,
+            default=["*"],
+            help=f'CORS: {what} allowed, a JSON list (default ["*"]).',
+        )
     group.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials.")
     group.add_argument(
         "--chat-template",
