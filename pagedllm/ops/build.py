@@ -1,0 +1,84 @@
+"""Build (once) and load the C++ operators in `pagedllm/ops/csrc/`.
+
+The extension is compiled with PyTorch's own tooling (`torch.utils.cpp_extension.load`, ninja)
+into a directory named by a hash of the sources, the compiler flags, PyTorch's version and the
+Python ABI, under `$PAGEDLLM_CACHE_DIR` (default `~/.cache/pagedllm`): the first start on a
+machine compiles it (about 10-20 s of CPU), every later start only loads the library.
+`make venv` builds it at install time (`python -m pagedllm.ops`). The binary runs on any
+x86-64 CPU: the kernels pick AVX-512-BF16, AVX-512, AVX2 or baseline code at run time, and
+callers ask `cpu_ops().cpu_has_avx512_bf16()` before using the packed-weight GEMM.
+
+`PAGEDLLM_CPU_KERNELS=0` turns the native path off (pure PyTorch everywhere).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedllm.config import env_flag
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).with_name("csrc")
+EXT_NAME = "pagedllm_cpu_ops"
+# -fopenmp: ATen's parallel_for is inline OpenMP; the library then links libgomp.so.1, which
+# resolves to the copy PyTorch already loaded (one thread pool for both).
+CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-Wno-unused-function"]
+
+
+def kernels_enabled() -> bool:
+    """Whether the native CPU path is wanted (`PAGEDLLM_CPU_KERNELS`, default on)."""
+    return env_flag("PAGEDLLM_CPU_KERNELS", True)
+
+
+def build_dir() -> Path:
+    """Where this exact build lives: keyed by sources, flags, torch and Python versions."""
+    digest = hashlib.sha256()
+    for path in sorted(CSRC.iterdir()):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    digest.update(" ".join(CFLAGS).encode())
+    digest.update(f"{torch.__version__} {sys.version_info[:2]} {sys.platform}".encode())
+    root = Path(os.environ.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm")
+    return root / "cpu_ops" / digest.hexdigest()[:16]
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the extension if its build directory has none; load it; return the library."""
+    from torch.utils.cpp_extension import load
+
+    out = build_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    load(
+        name=EXT_NAME,
+        sources=[str(CSRC / "ops.cpp")],
+        extra_cflags=CFLAGS,
+        extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(CSRC)],
+        build_directory=str(out),
+        is_python_module=False,
+        verbose=verbose,
+    )
+    return out / f"{EXT_NAME}.so"
+
+
+@functools.cache
+def cpu_ops() -> Any | None:
+    """`torch.ops.pagedllm`, built and loaded on first use; None if disabled or unavailable."""
+    if not kernels_enabled() or sys.platform != "linux":
+        return None
+    try:
+        build()
+    except Exception as e:  # no compiler, no ninja, a failed build: stay on PyTorch
+        logger.warning("pagedllm CPU kernels unavailable, using PyTorch ops (%s)", e)
+        return None
+    return torch.ops.pagedllm
+

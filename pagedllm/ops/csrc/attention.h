@@ -1,0 +1,97 @@
+// Decode attention read straight from the paged KV cache through the block table.
+//
+// Cache: [2, num_blocks, block_size, Hkv, D] bf16 (keys at 0, values at 1). One work item is
+// one (request, KV head): its G = H / Hkv query heads share every K/V row read. Three passes
+// over the request's context: scores q.k for each token (fp32), softmax, then the weighted
+// sum of V rows. The scores of one item take G * seq_len floats of scratch.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "common.h"
+
+namespace pagedllm {
+
+struct DecodeAttnArgs {
+  uint16_t* out;              // [B, H, D]
+  const uint16_t* q;          // [B, H, D], row stride q_stride (elements)
+  int64_t q_stride;
+  const uint16_t* kv;         // [2, num_blocks, block_size, Hkv, D]
+  int64_t num_blocks, block_size, num_heads, num_kv_heads, head_size;
+  const int32_t* block_table; // [B, bt_stride]
+  int64_t bt_stride;
+  const int32_t* seq_lens;    // [B]
+  float scale;
+};
+
+// scores[t] = scale * q . k_t for the tokens of one request and KV head, G queries at once.
+PAGEDLLM_CLONES static void decode_scores(const DecodeAttnArgs& a, int64_t b, int64_t kvh,
+                                          const float* qf, int64_t G, int64_t L, float* scores,
+                                          float* kf) {
+  const int64_t D = a.head_size, row = a.num_kv_heads * D;
+  const int32_t* table = a.block_table + b * a.bt_stride;
+  for (int64_t t = 0; t < L; ++t) {
+    const int64_t slot = static_cast<int64_t>(table[t / a.block_size]) * a.block_size +
+                         t % a.block_size;
+    const uint16_t* k = a.kv + slot * row + kvh * D;
+    for (int64_t d = 0; d < D; ++d) kf[d] = bf16_to_fp32(k[d]);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qf + g * D;
+      float lanes[16] = {0};
+      for (int64_t d0 = 0; d0 < D; d0 += 16)
+        for (int64_t i = 0; i < 16 && d0 + i < D; ++i) lanes[i] += qg[d0 + i] * kf[d0 + i];
+      float s = 0.f;
+      for (int i = 0; i < 16; ++i) s += lanes[i];
+      scores[g * L + t] = s;
+    }
+  }
+}
+
+// acc[g] = sum_t p[g, t] * v_t (p = softmaxed scores), then out = bf16(acc).
+PAGEDLLM_CLONES static void decode_values(const DecodeAttnArgs& a, int64_t b, int64_t kvh,
+                                          int64_t G, int64_t L, const float* p, float* acc,
+                                          float* vf) {
+  const int64_t D = a.head_size, row = a.num_kv_heads * D;
+  const int64_t values = a.num_blocks * a.block_size * row;  // offset of the value half
+  const int32_t* table = a.block_table + b * a.bt_stride;
+  for (int64_t i = 0; i < G * D; ++i) acc[i] = 0.f;
+  for (int64_t t = 0; t < L; ++t) {
+    const int64_t slot = static_cast<int64_t>(table[t / a.block_size]) * a.block_size +
+                         t % a.block_size;
+    const uint16_t* v = a.kv + values + slot * row + kvh * D;
+    for (int64_t d = 0; d < D; ++d) vf[d] = bf16_to_fp32(v[d]);
+    for (int64_t g = 0; g < G; ++g) {
+      const float w = p[g * L + t];
+      float* ag = acc + g * D;
+      for (int64_t d = 0; d < D; ++d) ag[d] += w * vf[d];
+    }
+  }
+  uint16_t* out = a.out + (b * a.num_heads + kvh * G) * D;
+  for (int64_t i = 0; i < G * D; ++i) out[i] = fp32_to_bf16(acc[i]);
+}
+
+// One (request b, KV head kvh) item. scratch: >= G * (seq_len + D) + 2 * D floats.
+static void decode_item(const DecodeAttnArgs& a, int64_t b, int64_t kvh, float* scratch) {
+  const int64_t D = a.head_size, G = a.num_heads / a.num_kv_heads;
+  const int64_t L = a.seq_lens[b];
+  float* qf = scratch;             // [G, D]
+  float* scores = qf + G * D;      // [G, L]
+  float* tmp = scores + G * L;     // [D] converted K / V row
+  float* acc = tmp + D;            // [G, D]
+  const uint16_t* q = a.q + b * a.q_stride + kvh * G * D;
+  for (int64_t i = 0; i < G * D; ++i) qf[i] = bf16_to_fp32(q[i]) * a.scale;
+  decode_scores(a, b, kvh, qf, G, L, scores, tmp);
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores + g * L;
+    const float mx = *std::max_element(s, s + L);
+    float sum = 0.f;
+    for (int64_t t = 0; t < L; ++t) sum += (s[t] = std::exp(s[t] - mx));
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < L; ++t) s[t] *= inv;
+  }
+  decode_values(a, b, kvh, G, L, scores, acc, tmp);
+}
+
+}  // namespace pagedllm

@@ -1,0 +1,223 @@
+// Linear layers on weights packed for AVX512-BF16 (vdpbf16ps): bf16 or int8 weight-only.
+//
+// Packed layout (both dtypes): [N_pad / 64][K / 2][64][2]. A "panel" is 64 output channels
+// over all of K; inside it, each k-pair holds 64 x 2 consecutive values (output channel n,
+// inputs 2 kp and 2 kp + 1), i.e. four 64-byte vectors of bf16 pairs that vdpbf16ps
+// multiplies by a broadcast pair of x. Panels are contiguous, so one output tile streams one
+// sequential run of memory (what the hardware prefetchers follow at full bandwidth when M is
+// small and the weights come from DRAM).
+//
+// y[m, n] = scale[n] * sum_k x[m, k] w[n, k] + bias[n]: products exact in fp32, fp32
+// accumulation; int8 panels are widened to bf16 (exact: |q| <= 127) a K-chunk at a time
+// into a per-thread scratch panel, so both dtypes share one micro-kernel.
+//
+// Work: (row block of <= 96 rows) x (panel) items, split over ATen's threads. A thread keeps
+// its row block (x) in L2 while it walks panels; a panel K-chunk (<= 96 KB) is reread from
+// L2 by each 6-row tile.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "common.h"
+
+#define PAGEDLLM_BF16_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+
+namespace pagedllm {
+
+constexpr int64_t kPanel = 64;      // output channels per panel
+constexpr int64_t kRowTile = 6;     // rows per micro-kernel call: 6 x 4 accumulators
+constexpr int64_t kRowBlock = 96;   // rows per work item
+constexpr int64_t kKChunk = 384;    // k-pairs per chunk: a 96 KB bf16 panel chunk
+constexpr int64_t kDirectInt8Rows = 4;  // up to this many rows, int8 is widened in registers
+
+struct GemmArgs {
+  const uint16_t* x;      // [M, ldx] bf16, K used
+  int64_t M, K, ldx;
+  const void* w;          // packed panels (uint16 bf16 or int8)
+  bool w_int8;
+  const float* scales;    // [N] or nullptr (int8 only)
+  const uint16_t* bias;   // [N] bf16 or nullptr
+  int64_t N;
+  void* out;              // [M, ldo] bf16 or fp32
+  bool out_fp32;
+  int64_t ldo;
+};
+
+// acc[MT][4] (+)= x[MT rows, 2 kp .. 2 (kp + nkp)] * panel chunk; c is [MT][64] fp32.
+template <int MT>
+PAGEDLLM_BF16_TARGET static inline void micro_bf16(
+    const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t nkp, float* c, bool load_c) {
+  // Accumulators start at zero and are added to c at the end (not loaded from c): with a
+  // conditional start GCC keeps a stack copy of all 24 and stores it every iteration.
+  __m512 acc[MT][4];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+  const int32_t* xr[MT];
+  for (int m = 0; m < MT; ++m) xr[m] = reinterpret_cast<const int32_t*>(x + m * ldx);
+  for (int64_t kp = 0; kp < nkp; ++kp) {
+    const uint16_t* wk = w + kp * 2 * kPanel;
+    if (MT <= 2) _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * 2 * kPanel), _MM_HINT_T0);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wk + 32);
+    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wk + 64);
+    const __m512bh w3 = (__m512bh)_mm512_loadu_si512(wk + 96);
+#pragma GCC unroll 6
+    for (int m = 0; m < MT; ++m) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(xr[m][kp]);
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, xb);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xb);
+      acc[m][2] = _mm512_dpbf16_ps(acc[m][2], w2, xb);
+      acc[m][3] = _mm512_dpbf16_ps(acc[m][3], w3, xb);
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < 4; ++j) {
+      float* cj = c + m * kPanel + 16 * j;
+      _mm512_storeu_ps(cj, load_c ? _mm512_add_ps(acc[m][j], _mm512_loadu_ps(cj)) : acc[m][j]);
+    }
+}
+
+// int8 panel chunk -> 4 vectors of bf16 pairs of one k-pair, widened in registers.
+PAGEDLLM_BF16_TARGET static inline __m512bh widen_pairs(const int8_t* src) {
+  const __m512 lo = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+  const __m512 hi = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// micro_bf16 on an int8 panel, widening each k-pair in registers: for a few rows, where the
+// weights stream from DRAM and a widened scratch copy would cost a second pass over them.
+template <int MT>
+PAGEDLLM_BF16_TARGET static inline void micro_int8(
+    const uint16_t* x, int64_t ldx, const int8_t* w, int64_t nkp, float* c, bool load_c) {
+  __m512 acc[MT][4];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+  const int32_t* xr[MT];
+  for (int m = 0; m < MT; ++m) xr[m] = reinterpret_cast<const int32_t*>(x + m * ldx);
+  for (int64_t kp = 0; kp < nkp; ++kp) {
+    const int8_t* wk = w + kp * 2 * kPanel;
+    _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * 2 * kPanel), _MM_HINT_T0);
+    const __m512bh w0 = widen_pairs(wk), w1 = widen_pairs(wk + 32);
+    const __m512bh w2 = widen_pairs(wk + 64), w3 = widen_pairs(wk + 96);
+#pragma GCC unroll 4
+    for (int m = 0; m < MT; ++m) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(xr[m][kp]);
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, xb);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xb);
+      acc[m][2] = _mm512_dpbf16_ps(acc[m][2], w2, xb);
+      acc[m][3] = _mm512_dpbf16_ps(acc[m][3], w3, xb);
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < 4; ++j) {
+      float* cj = c + m * kPanel + 16 * j;
+      _mm512_storeu_ps(cj, load_c ? _mm512_add_ps(acc[m][j], _mm512_loadu_ps(cj)) : acc[m][j]);
+    }
+}
+
+PAGEDLLM_BF16_TARGET static inline void micro_dispatch(
+    int64_t rows, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t nkp, float* c,
+    bool load_c) {
+  switch (rows) {
+    case 1: micro_bf16<1>(x, ldx, w, nkp, c, load_c); break;
+    case 2: micro_bf16<2>(x, ldx, w, nkp, c, load_c); break;
+    case 3: micro_bf16<3>(x, ldx, w, nkp, c, load_c); break;
+    case 4: micro_bf16<4>(x, ldx, w, nkp, c, load_c); break;
+    case 5: micro_bf16<5>(x, ldx, w, nkp, c, load_c); break;
+    default: micro_bf16<6>(x, ldx, w, nkp, c, load_c); break;
+  }
+}
+
+// int8 panel chunk (nkp x 128 values) -> bf16 (exact) in scratch.
+PAGEDLLM_BF16_TARGET static inline void widen_int8(const int8_t* src, int64_t nkp, uint16_t* dst) {
+  for (int64_t i = 0; i < nkp * 2 * kPanel; i += 32)
+    _mm512_storeu_si512(dst + i, (__m512i)widen_pairs(src + i));
+}
+
+// Rows [m0, m1) x panel p: K-chunks, 6-row tiles, then the epilogue (scale, bias, store).
+PAGEDLLM_BF16_TARGET static void gemm_item(
+    const GemmArgs& a, int64_t m0, int64_t m1, int64_t p, float* c, uint16_t* scratch) {
+  const int64_t kp_total = a.K / 2;
+  for (int64_t kp0 = 0; kp0 < kp_total; kp0 += kKChunk) {
+    const int64_t nkp = std::min(kKChunk, kp_total - kp0);
+    const int64_t off = (p * kp_total + kp0) * 2 * kPanel;
+    if (a.w_int8 && m1 - m0 <= kDirectInt8Rows) {
+      const int8_t* panel = static_cast<const int8_t*>(a.w) + off;
+      const int64_t rows = m1 - m0;
+      const uint16_t* x = a.x + m0 * a.ldx + 2 * kp0;
+      if (rows == 1) micro_int8<1>(x, a.ldx, panel, nkp, c, kp0 > 0);
+      else if (rows == 2) micro_int8<2>(x, a.ldx, panel, nkp, c, kp0 > 0);
+      else if (rows == 3) micro_int8<3>(x, a.ldx, panel, nkp, c, kp0 > 0);
+      else micro_int8<4>(x, a.ldx, panel, nkp, c, kp0 > 0);
+      continue;
+    }
+    const uint16_t* panel;
+    if (a.w_int8) {
+      widen_int8(static_cast<const int8_t*>(a.w) + off, nkp, scratch);
+      panel = scratch;
+    } else {
+      panel = static_cast<const uint16_t*>(a.w) + off;
+    }
+    for (int64_t m = m0; m < m1; m += kRowTile) {
+      const int64_t rows = std::min(kRowTile, m1 - m);
+      micro_dispatch(rows, a.x + m * a.ldx + 2 * kp0, a.ldx, panel, nkp,
+                     c + (m - m0) * kPanel, kp0 > 0);
+    }
+  }
+  const int64_t n0 = p * kPanel, n1 = std::min(a.N, n0 + kPanel);
+  if (n1 - n0 == kPanel) {  // full panel: 16 lanes at a time
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* cr = c + (m - m0) * kPanel;
+      for (int64_t j = 0; j < kPanel; j += 16) {
+        __m512 v = _mm512_loadu_ps(cr + j);
+        if (a.scales) v = _mm512_mul_ps(v, _mm512_loadu_ps(a.scales + n0 + j));
+        if (a.bias) {
+          __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bias + n0 + j));
+          v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+        }
+        if (a.out_fp32)
+          _mm512_storeu_ps(static_cast<float*>(a.out) + m * a.ldo + n0 + j, v);
+        else
+          _mm256_storeu_si256(
+              reinterpret_cast<__m256i*>(static_cast<uint16_t*>(a.out) + m * a.ldo + n0 + j),
+              (__m256i)_mm512_cvtneps_pbh(v));
+      }
+    }
+    return;
+  }
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* cr = c + (m - m0) * kPanel;
+    for (int64_t n = n0; n < n1; ++n) {
+      float v = cr[n - n0];
+      if (a.scales) v *= a.scales[n];
+      if (a.bias) v += bf16_to_fp32(a.bias[n]);
+      if (a.out_fp32)
+        static_cast<float*>(a.out)[m * a.ldo + n] = v;
+      else
+        static_cast<uint16_t*>(a.out)[m * a.ldo + n] = fp32_to_bf16(v);
+    }
+  }
+}
+
+// Items [begin, end) of (row block, panel) pairs, row block major.
+PAGEDLLM_BF16_TARGET static void gemm_items(const GemmArgs& a, int64_t begin, int64_t end) {
+  const int64_t panels = (a.N + kPanel - 1) / kPanel;
+  const int64_t block = std::min(kRowBlock, a.M);
+  std::vector<float> c(block * kPanel);
+  std::vector<uint16_t> scratch(a.w_int8 ? kKChunk * 2 * kPanel : 0);
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t mb = i / panels, p = i % panels;
+    const int64_t m0 = mb * block, m1 = std::min(a.M, m0 + block);
+    gemm_item(a, m0, m1, p, c.data(), scratch.data());
+  }
+}
+
+}  // namespace pagedllm

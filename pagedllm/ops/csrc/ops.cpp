@@ -1,0 +1,161 @@
+// pagedllm's CPU operators (torch.ops.pagedllm.*): argument checks, threading over ATen's
+// pool (at::parallel_for, so the kernels share PyTorch's threads), and the kernels of the
+// headers beside this file. The only translation unit, so a build compiles PyTorch's headers
+// once.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "attention.h"
+#include "elementwise.h"
+#include "gemm.h"
+
+namespace pagedllm {
+namespace {
+
+const uint16_t* bf16_ptr(const at::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr());
+}
+uint16_t* bf16_mut(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must be bfloat16");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
+}
+
+// Rows per parallel chunk so that a chunk is worth a thread hand-off (~32k elements).
+int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_elems, 1)); }
+
+bool cpu_has_avx512_bf16() { return __builtin_cpu_supports("avx512bf16"); }
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scales,
+                  const c10::optional<at::Tensor>& bias, int64_t n, bool out_fp32) {
+  TORCH_CHECK(cpu_has_avx512_bf16(), "pagedllm::linear needs AVX512-BF16");
+  check_rows(x, "x");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % 2 == 0, "in_features must be even");
+  TORCH_CHECK(w.is_contiguous() && w.dim() == 4 && w.size(0) * kPanel >= n &&
+                  w.size(1) * 2 == K && w.size(2) == kPanel && w.size(3) == 2,
+              "w must be packed [ceil(N / 64), K / 2, 64, 2]");
+  const bool w_int8 = w.scalar_type() == at::kChar;
+  TORCH_CHECK(w_int8 || w.scalar_type() == at::kBFloat16, "w must be bfloat16 or int8");
+  TORCH_CHECK(w_int8 == scales.has_value(), "int8 weights need scales (and only they)");
+  if (scales) TORCH_CHECK(scales->scalar_type() == at::kFloat && scales->is_contiguous() && scales->numel() >= n, "scales: float32 [N]");
+  if (bias) TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == n, "bias: bfloat16 [N]");
+  at::Tensor out = at::empty({M, n}, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
+  if (M == 0) return out;
+  GemmArgs a{bf16_ptr(x), M, K, x.stride(0), w.data_ptr(), w_int8,
+             scales ? scales->data_ptr<float>() : nullptr, bias ? bf16_ptr(*bias) : nullptr,
+             n, out.data_ptr(), out_fp32, n};
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
+  at::parallel_for(0, blocks * panels, 1, [&](int64_t b, int64_t e) { gemm_items(a, b, e); });
+  return out;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  const int64_t T = x.size(0), n = x.size(1);
+  at::Tensor out = at::empty({T, n}, x.options());
+  at::parallel_for(0, T, row_grain(n), [&](int64_t b, int64_t e) {
+    std::vector<float> tmp(n);
+    for (int64_t t = b; t < e; ++t)
+      rms_norm_row(bf16_mut(out) + t * n, bf16_ptr(x) + t * x.stride(0), nullptr,
+                   bf16_ptr(weight), n, static_cast<float>(eps), tmp.data());
+  });
+  return out;
+}
+
+at::Tensor fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                              double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual must have one shape");
+  const int64_t T = x.size(0), n = x.size(1);
+  at::Tensor out = at::empty({T, n}, x.options());
+  at::parallel_for(0, T, row_grain(n), [&](int64_t b, int64_t e) {
+    std::vector<float> tmp(n);
+    for (int64_t t = b; t < e; ++t)
+      rms_norm_row(bf16_mut(out) + t * n, bf16_ptr(x) + t * x.stride(0),
+                   bf16_mut(residual) + t * residual.stride(0), bf16_ptr(weight), n,
+                   static_cast<float>(eps), tmp.data());
+  });
+  return out;
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "x");
+  const int64_t T = x.size(0), d = x.size(1) / 2;
+  at::Tensor out = at::empty({T, d}, x.options());
+  at::parallel_for(0, T, row_grain(d), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t)
+      silu_and_mul_row(bf16_mut(out) + t * d, bf16_ptr(x) + t * x.stride(0), d);
+  });
+  return out;
+}
+
+void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
+                      const at::Tensor& cos_sin_cache, int64_t head_size, int64_t rot) {
+  check_rows(q, "query");
+  check_rows(k, "key");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "positions: int64");
+  TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.is_contiguous() &&
+                  cos_sin_cache.size(1) == rot, "cos_sin_cache: float32 [len, rot]");
+  const int64_t T = q.size(0), hq = q.size(1) / head_size, hk = k.size(1) / head_size;
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* cs = cos_sin_cache.data_ptr<float>();
+  at::parallel_for(0, T, row_grain(q.size(1) + k.size(1)), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const float* row = cs + pos[t] * rot;
+      rope_row(bf16_mut(q) + t * q.stride(0), hq, head_size, rot, row);
+      rope_row(bf16_mut(k) + t * k.stride(0), hk, head_size, rot, row);
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
+                                  const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                  int64_t max_seq_len, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && kv_cache.scalar_type() == at::kBFloat16,
+              "query and cache must be bfloat16");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "query: [B, H, D] rows");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache: contiguous [2, num_blocks, block_size, Hkv, D]");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1, "block_table: int32");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens: int32");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = kv_cache.size(3);
+  TORCH_CHECK(H % Hkv == 0 && kv_cache.size(4) == D, "head counts / sizes disagree");
+  at::Tensor out = at::empty({B, H, D}, q.options());
+  DecodeAttnArgs a{bf16_mut(out), bf16_ptr(q), q.stride(0), bf16_ptr(kv_cache),
+                   kv_cache.size(1), kv_cache.size(2), H, Hkv, D,
+                   block_table.data_ptr<int32_t>(), block_table.stride(0),
+                   seq_lens.data_ptr<int32_t>(), static_cast<float>(scale)};
+  const int64_t G = H / Hkv;
+  const int64_t scratch = G * (max_seq_len + 2 * D) + D;
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> buf(scratch);
+    for (int64_t i = b; i < e; ++i) decode_item(a, i / Hkv, i % Hkv, buf.data());
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace pagedllm
+
+TORCH_LIBRARY(pagedllm, m) {
+  m.def("cpu_has_avx512_bf16() -> bool", &pagedllm::cpu_has_avx512_bf16);
+  m.def("linear(Tensor x, Tensor w, Tensor? scales, Tensor? bias, int n, bool out_fp32) -> Tensor",
+        &pagedllm::linear);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &pagedllm::rms_norm);
+  m.def("fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor",
+        &pagedllm::fused_add_rms_norm);
+  m.def("silu_and_mul(Tensor x) -> Tensor", &pagedllm::silu_and_mul);
+  m.def("rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos_sin_cache, "
+        "int head_size, int rot) -> ()", &pagedllm::rotary_embedding);
+  m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
+        "int max_seq_len, float scale) -> Tensor", &pagedllm::paged_decode_attention);
+}
