@@ -53,6 +53,7 @@ class ModelConfig:
     hf_config: Any  # transformers.PretrainedConfig
     dtype: torch.dtype
     max_model_len: int
+    quantization: str | None = None  # weight quantization method (layers/quantization.py)
     seed: int = 0
     # The names the server accepts as `model`; the first is the one it reports.
     served_model_name: str | list[str] | None = None

@@ -154,6 +154,7 @@ class TorchAttentionBackend(AttentionBackend):
     """
 
     name = "torch"
+    metadata_cls: type[TorchAttentionMetadata] = TorchAttentionMetadata
 
     def __init__(self, max_batched_query_len: int = 8) -> None:
         if max_batched_query_len < 1:
@@ -171,13 +172,13 @@ class TorchAttentionBackend(AttentionBackend):
     def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
         qsl = np.asarray(common.query_start_loc_cpu, dtype=np.int64)
         seq_lens = np.asarray(common.seq_lens_cpu, dtype=np.int64)  # (tests may pass lists)
-        meta = TorchAttentionMetadata(
+        meta = self.metadata_cls(
             num_actual_tokens=common.num_actual_tokens,
             slot_mapping=common.slot_mapping[: common.num_actual_tokens].long(),
             block_size=common.block_size,
         )
         query_lens = np.diff(qsl)
-        decodes = np.flatnonzero(query_lens == 1)
+        decodes = self._take_decodes(meta, common, np.flatnonzero(query_lens == 1))
         shorts = np.flatnonzero((query_lens > 1) & (query_lens <= self.max_batched_query_len))
         for r in np.flatnonzero(query_lens > self.max_batched_query_len).tolist():
             meta.prefills.append(self._build_prefill(common, r))
@@ -197,6 +198,13 @@ class TorchAttentionBackend(AttentionBackend):
         gathers += [p.block_ids.shape[0] for p in meta.prefills if p.block_ids is not None]
         meta.max_gather_blocks = max(gathers, default=0)
         return meta
+
+    def _take_decodes(
+        self, meta: TorchAttentionMetadata, common: CommonAttentionMetadata, decodes: np.ndarray
+    ) -> np.ndarray:
+        """The decode requests (query_len 1) left to batched SDPA groups: all of them here; a
+        subclass with its own decode kernel records them in `meta` and returns fewer."""
+        return decodes
 
     def _build_group(
         self,

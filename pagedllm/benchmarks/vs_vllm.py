@@ -231,7 +231,9 @@ def start_workers(args: argparse.Namespace, in_process: bool) -> list[Worker]:
 
 
 def run_timings(args: argparse.Namespace, workers: list[Worker], vocab: int) -> dict:
-    runs: dict[str, dict[str, list[dict]]] = {w.name: {n: [] for n in args.workloads} for w in workers}
+    runs: dict[str, dict[str, list[dict]]] = {
+        w.name: {n: [] for n in args.workloads} for w in workers
+    }
     for r in range(args.rounds):
         order = workers[r % len(workers) :] + workers[: r % len(workers)]
         for name in args.workloads:
@@ -260,8 +262,13 @@ def run_timings(args: argparse.Namespace, workers: list[Worker], vocab: int) -> 
 def print_table(summary: dict, workloads: list[str]) -> None:
     names = list(summary)
     base = "vllm" if "vllm" in summary else names[0]
-    print("| workload | " + " | ".join(names) + " | " + " | ".join(
-        f"{n} / {base}" for n in names if n != base) + " |")
+    print(
+        "| workload | "
+        + " | ".join(names)
+        + " | "
+        + " | ".join(f"{n} / {base}" for n in names if n != base)
+        + " |"
+    )
     print("|---" * (1 + 2 * len(names) - 1) + "|")
     for wl in workloads:
         cells = []

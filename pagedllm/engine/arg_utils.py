@@ -38,6 +38,7 @@ class EngineArgs:
     generation_config: str = "auto"
     max_logprobs: int = 20
     dtype: str = "auto"
+    quantization: str | None = None
     seed: int = 0
     max_model_len: int | None = None
     block_size: int = 16
@@ -84,6 +85,7 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         # Imported here: loading transformers is slow and only needed when an engine is built.
+        from pagedllm.layers.quantization import check_quantization
         from pagedllm.transformers_utils.config import (
             get_eos_token_ids,
             get_generation_config,
@@ -108,6 +110,7 @@ class EngineArgs:
                 device_config.device,
             ),
             max_model_len=max_model_len,
+            quantization=check_quantization(self.quantization),
             seed=self.seed,
             served_model_name=self.served_model_name,
             trust_remote_code=self.trust_remote_code,
@@ -213,6 +216,8 @@ class EngineArgs:
                     default=default,
                     help=help_text,
                 )
+            elif f.name == "quantization":
+                group.add_argument(flag, "-q", choices=["int8"], default=None, help=help_text)
             elif f.name == "speculative_config":
                 group.add_argument(*flags, type=json.loads, default=None, help=help_text)
             elif f.name == "served_model_name":
@@ -265,6 +270,7 @@ def _cli_type(f: dataclasses.Field) -> Any:
 _HELP = {
     "tokenizer": "Tokenizer directory (default: the model directory).",
     "dtype": "auto, bfloat16, float16 or float32 (auto: bf16 on the CPU).",
+    "quantization": "Weight quantization: int8 (weight-only, a scale per output channel).",
     "max_model_len": "Longest prompt + output (default: the model's max_position_embeddings).",
     "block_size": "Tokens per KV-cache block.",
     "enable_prefix_caching": "Reuse KV blocks of shared prompt prefixes.",

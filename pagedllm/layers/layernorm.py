@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.linear import default_weight_loader, set_weight_loader
+from pagedllm.ops import cpu_ops
 
 
 class RMSNorm(nn.Module):
@@ -13,7 +14,8 @@ class RMSNorm(nn.Module):
     weight multiply (as transformers does, so outputs match it bit for bit in fp32).
 
     `forward(x)` returns the normalized x; `forward(x, residual)` first adds `residual` to x and
-    returns `(normalized sum, sum)`: the sum is the next residual stream.
+    returns `(normalized sum, sum)`: the sum is the next residual stream. bf16 rows on the CPU
+    take the native kernel (one pass, same roundings; the residual is updated in place).
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -34,6 +36,12 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_cpu:
+            ops = cpu_ops()
+            if ops is not None:
+                if residual is None:
+                    return ops.rms_norm(x, self.weight, self.eps)
+                return ops.fused_add_rms_norm(x, residual, self.weight, self.eps), residual
         if residual is None:
             return self._norm(x)
         x = x + residual

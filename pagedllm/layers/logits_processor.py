@@ -22,6 +22,5 @@ class LogitsProcessor(nn.Module):
     def forward(self, lm_head: VocabParallelEmbedding, hidden_states: torch.Tensor) -> torch.Tensor:
         # hidden_states [N, hidden] -> local logits [N, V_p] -> gathered [N, V_p * tp]
         bias = getattr(lm_head, "bias", None)
-        logits = packed_linear(lm_head, hidden_states, bias)
-        logits = tp_all_gather(logits, dim=-1)[:, : self.vocab_size]
-        return logits.float()  # [N, vocab_size] float32
+        logits = packed_linear(lm_head, hidden_states, bias, out_dtype=torch.float32)
+        return tp_all_gather(logits, dim=-1)[:, : self.vocab_size]  # [N, vocab_size] float32

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.ops import cpu_ops
+
 _DEFAULT_THETA = 10000.0
 
 
@@ -115,7 +117,15 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; query [T, H * head_size]; key [T, Hkv * head_size] -> same shapes."""
+        """positions [T]; query [T, H * head_size]; key [T, Hkv * head_size] -> same shapes.
+        bf16 rows on the CPU are rotated in place by the native kernel (same roundings)."""
+        if query.dtype == torch.bfloat16 and query.is_cpu and query.dim() == 2:
+            ops = cpu_ops()
+            if ops is not None:
+                ops.rotary_embedding(
+                    positions, query, key, self.cos_sin_cache, self.head_size, self.rotary_dim
+                )
+                return query, key
         num_tokens = positions.shape[0]
         cos_sin = self.cos_sin_cache.index_select(0, positions)  # [T, rotary_dim]
         # transformers casts cos/sin to the activation dtype before rotating; so do we.

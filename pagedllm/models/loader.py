@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from pagedllm.config import EngineConfig
+from pagedllm.layers.quantization import quantize_model_
 from pagedllm.models.registry import resolve_model_cls
 
 logger = logging.getLogger(__name__)
@@ -94,16 +95,17 @@ def get_model(config: EngineConfig) -> nn.Module:
     model_cls = resolve_model_cls(archs)
     device = config.device_config.torch_device
     model = load_module(
-        lambda: model_cls(config=config),
+        lambda: quantize_model_(model_cls(config=config), model_config.quantization),
         model_config.model,
         model_config.dtype,
         device,
         f"checkpoint {model_config.model!r}",
     )
     logger.info(
-        "loaded %s (%s, %.1fM parameters) on %s",
+        "loaded %s (%s%s, %.1fM parameters) on %s",
         model_cls.__name__,
         model_config.dtype,
+        f", {model_config.quantization} weights" if model_config.quantization else "",
         sum(p.numel() for p in model.parameters()) / 1e6,
         device,
     )

@@ -81,4 +81,3 @@ def cpu_ops() -> Any | None:
         logger.warning("pagedllm CPU kernels unavailable, using PyTorch ops (%s)", e)
         return None
     return torch.ops.pagedllm
-

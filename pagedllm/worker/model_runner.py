@@ -106,7 +106,7 @@ class ModelRunner:
         self.dtype = config.model_config.dtype
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
-        self.attn_backend = get_attn_backend(device)
+        self.attn_backend = get_attn_backend(device, self.dtype)
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         # Speculative decoding (spec_decode/): a proposer drafts, the RejectionSampler verifies.

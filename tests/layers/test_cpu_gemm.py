@@ -1,4 +1,5 @@
-"""oneDNN-prepacked CPU GEMMs compute what F.linear computes."""
+"""CPU GEMMs on packed weights (oneDNN-prepacked or pagedllm's panels) compute what F.linear
+computes."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.cpu_gemm import can_pack
+from pagedllm.layers.cpu_gemm import can_pack, from_panels, to_panels
 from pagedllm.layers.linear import QKVParallelLinear, RowParallelLinear
 
 needs_packing = pytest.mark.skipif(
@@ -35,6 +36,16 @@ def test_fp32_is_never_packed():
         layer = RowParallelLinear(32, 16, params_dtype=torch.float32)
     layer.process_weights_after_loading()
     assert getattr(layer, "weight_packed", None) is None and layer.weight.shape == (16, 32)
+    assert getattr(layer, "weight_panels", None) is None
+
+
+@pytest.mark.parametrize("shape", [(64, 2), (100, 6), (130, 768)])
+def test_panels_round_trip(shape):
+    w = torch.randn(*shape).to(torch.bfloat16)
+    panels = to_panels(w)
+    assert panels.shape == (-(-shape[0] // 64), shape[1] // 2, 64, 2)
+    assert torch.equal(from_panels(panels, shape[0]), w)
+    assert not from_panels(panels, panels.shape[0] * 64)[shape[0] :].any()  # zero padding
 
 
 @needs_packing
@@ -50,7 +61,10 @@ def test_bf16_engine_same_tokens_with_and_without_packing(tiny_llama_dir, monkey
         llm = LLM(model=tiny_llama_dir, dtype="bfloat16")
         runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
         packed = [
-            m for m in runner.model.modules() if getattr(m, "weight_packed", None) is not None
+            m
+            for m in runner.model.modules()
+            if getattr(m, "weight_packed", None) is not None
+            or getattr(m, "weight_panels", None) is not None
         ]
         assert bool(packed) == (flag == "1")
         results.append(

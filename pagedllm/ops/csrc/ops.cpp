@@ -108,6 +108,8 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
   const int64_t T = q.size(0), hq = q.size(1) / head_size, hk = k.size(1) / head_size;
   const int64_t* pos = positions.data_ptr<int64_t>();
   const float* cs = cos_sin_cache.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_sin_cache.size(0), "position ", pos[t], " out of the RoPE table");
   at::parallel_for(0, T, row_grain(q.size(1) + k.size(1)), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const float* row = cs + pos[t] * rot;

@@ -1,0 +1,78 @@
+"""Weight-only int8 quantization (`quantization="int8"`, `--quantization int8`).
+
+A transform applied to a built model before its checkpoint is loaded: every linear layer and
+an untied LM head get an int8 weight and a float32 scale per output channel,
+`w ~= scale[n] * q[n, k]`, `scale[n] = max_k |w[n, k]| / 127` (symmetric, round to nearest).
+Quantization happens in the weight loaders, one checkpoint tensor at a time: the loader
+quantizes the whole checkpoint tensor row by row, then the layer's own loader places this
+rank's slice of q and of the scales exactly where it would have placed the weight (a
+tensor-parallel shard along the outputs takes its rows' scales; one along the inputs shares
+the whole rows' scales, which factor out of its partial sums). The bf16 weight is never held
+whole: the layers' plain weights are replaced before loading, while still unwritten.
+
+Activations stay in the model dtype; products are exact and accumulate in float32
+(`layers/cpu_gemm.py`). Tied embeddings stay unquantized (the table is also read as rows).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+QUANTIZATION_METHODS = ("int8",)
+
+
+def check_quantization(method: str | None) -> str | None:
+    """The method, validated (None = unquantized)."""
+    if method is not None and method not in QUANTIZATION_METHODS:
+        raise ValueError(
+            f"quantization={method!r} is not supported; choose one of {list(QUANTIZATION_METHODS)}"
+        )
+    return method
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (q [N, K] int8, scale [N] float32) with w ~= scale[:, None] * q."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def _int8_layer_(module: nn.Module, load_scale) -> None:
+    """Give `module` an int8 `weight` and a float32 `weight_scale` buffer, both filled by a
+    loader that quantizes each checkpoint tensor, then defers to the module's own loader;
+    `load_scale(scale_buffer, scale, shard_id)` places the scales of one tensor."""
+    old = module.weight
+    loader = old.weight_loader
+    weight = nn.Parameter(torch.empty(old.shape, dtype=torch.int8), requires_grad=False)
+    module.register_buffer(
+        "weight_scale", torch.empty(old.shape[0], dtype=torch.float32), persistent=False
+    )
+
+    def quantizing_loader(param, loaded_weight, shard_id=None):
+        q, scale = quantize_rows(loaded_weight)
+        loader(param, q, shard_id)
+        load_scale(module.weight_scale, scale, shard_id)
+
+    weight.weight_loader = quantizing_loader
+    module.weight = weight
+
+
+def quantize_model_(model: nn.Module, method: str | None) -> nn.Module:
+    """Apply `method` to a built, not yet loaded model (in place); returns it."""
+    from pagedllm.layers.linear import LinearBase
+    from pagedllm.layers.vocab_embedding import ParallelLMHead
+
+    if check_quantization(method) is None:
+        return model
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            # Scales follow the rows the way a bias does (column layers: this rank's output
+            # rows; row layers: the whole vector).
+            _int8_layer_(
+                module, lambda buf, s, shard_id, m=module: m.weight_loader(buf, s, shard_id)
+            )
+        elif isinstance(module, ParallelLMHead):
+            _int8_layer_(module, lambda buf, s, shard_id, m=module: m._copy_vocab_rows(buf, s))
+    return model

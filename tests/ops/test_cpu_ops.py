@@ -1,0 +1,143 @@
+"""The native CPU operators against their PyTorch references, over many shapes.
+
+Elementwise kernels reproduce the PyTorch code's bf16 roundings (equal, or within one bf16
+step where only float summation order differs); the GEMM and attention accumulate in fp32 in
+another order than the references and are held to fp32-accumulation tolerances.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.cpu_gemm import to_panels
+from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.quantization import quantize_rows
+from pagedllm.layers.rotary_embedding import get_rope
+from pagedllm.ops import cpu_ops
+
+ops = cpu_ops()
+pytestmark = pytest.mark.skipif(ops is None, reason="native CPU ops not built here")
+needs_bf16 = pytest.mark.skipif(
+    ops is None or not ops.cpu_has_avx512_bf16(), reason="no AVX512-BF16 on this CPU"
+)
+BF16 = torch.bfloat16
+
+
+def torch_path(monkeypatch):
+    """Make the layers take their PyTorch code (the kernels are looked up per call)."""
+    monkeypatch.setattr("pagedllm.layers.layernorm.cpu_ops", lambda: None)
+    monkeypatch.setattr("pagedllm.layers.activation.cpu_ops", lambda: None)
+    monkeypatch.setattr("pagedllm.layers.rotary_embedding.cpu_ops", lambda: None)
+
+
+@needs_bf16
+@pytest.mark.parametrize("m", [1, 3, 6, 7, 64, 97, 200])
+@pytest.mark.parametrize("n,k", [(1, 2), (64, 64), (100, 768), (130, 770), (1280, 96)])
+def test_linear_bf16_and_int8(m, n, k):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g).to(BF16)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(BF16)
+    bias = torch.randn(n, generator=g).to(BF16)
+    ref = F.linear(x.double(), w.double(), bias.double())
+    for out_fp32 in (False, True):
+        y = ops.linear(x, to_panels(w), None, bias, n, out_fp32)
+        assert y.dtype == (torch.float32 if out_fp32 else BF16) and y.shape == (m, n)
+        tol = 1e-4 if out_fp32 else 1e-2
+        torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol * 4)
+    q, scale = quantize_rows(w)
+    ref_q = F.linear(x.double(), q.double() * scale.double()[:, None])
+    y = ops.linear(x, to_panels(q), scale, None, n, True)
+    torch.testing.assert_close(y.double(), ref_q, rtol=1e-4, atol=1e-4)
+
+
+@needs_bf16
+def test_linear_reads_strided_rows():
+    x = torch.randn(5, 96).to(BF16)[:, :64]  # rows 96 apart
+    w = torch.randn(32, 64).to(BF16)
+    y = ops.linear(x, to_panels(w), None, None, 32, True)
+    torch.testing.assert_close(y, F.linear(x.float(), w.float()), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows,hidden", [(1, 64), (5, 768), (300, 96)])
+def test_rms_norm_matches_torch(rows, hidden, monkeypatch):
+    torch.manual_seed(rows)
+    norm = RMSNorm(hidden, eps=1e-6)
+    norm.weight.data = torch.randn(hidden).to(BF16)
+    x = torch.randn(rows, hidden).to(BF16) * 3
+    res = torch.randn(rows, hidden).to(BF16)
+    fast_y, fast_res = norm(x, res.clone())
+    fast_plain = norm(x)
+    torch_path(monkeypatch)
+    ref_y, ref_res = norm(x, res.clone())
+    assert torch.equal(fast_res, ref_res)  # the residual sum: one rounding, same as torch
+    # The mean of squares sums in another order: at most one bf16 step apart, mostly equal.
+    for fast, ref in ((fast_y, ref_y), (fast_plain, norm(x))):
+        torch.testing.assert_close(fast, ref, rtol=1e-2, atol=1e-2)
+        assert (fast == ref).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("rows,d", [(1, 8), (7, 2048), (64, 100)])
+def test_silu_and_mul_matches_torch(rows, d, monkeypatch):
+    x = (torch.randn(rows, 2 * d) * 4).to(BF16)
+    fast = SiluAndMul()(x)
+    torch_path(monkeypatch)
+    assert torch.equal(fast, SiluAndMul()(x))
+
+
+@pytest.mark.parametrize("head_size,rotary_dim,heads,kv_heads", [(64, 64, 12, 4), (128, 64, 4, 4)])
+def test_rope_matches_torch(head_size, rotary_dim, heads, kv_heads, monkeypatch):
+    rope = get_rope(head_size, rotary_dim, 512, 10000.0)
+    positions = torch.tensor([0, 1, 5, 511, 77])
+    qkv = torch.randn(5, (heads + 2 * kv_heads) * head_size).to(BF16)
+    q, k, _ = qkv.split([heads * head_size, kv_heads * head_size, kv_heads * head_size], -1)
+    ref_q, ref_k = q.clone(), k.clone()
+    fast_q, fast_k = rope(positions, q, k)  # in place, through the split views
+    assert fast_q.data_ptr() == q.data_ptr()
+    torch_path(monkeypatch)
+    ref_q, ref_k = rope(positions, ref_q, ref_k)
+    assert torch.equal(fast_q, ref_q) and torch.equal(fast_k, ref_k)
+    with pytest.raises(RuntimeError, match="out of the RoPE table"):
+        ops.rotary_embedding(torch.tensor([512]), q[:1], k[:1], rope.cos_sin_cache, head_size, 64)
+
+
+def reference_decode(q, kv_cache, block_table, seq_lens, scale):
+    """Per request: gather its K/V rows through the block table, SDPA in fp64."""
+    _, _, bs, hkv, d = kv_cache.shape
+    outs = []
+    for b, length in enumerate(seq_lens.tolist()):
+        blocks = block_table[b, : -(-length // bs)].long()
+        k = kv_cache[0, blocks].reshape(-1, hkv, d)[:length].double()
+        v = kv_cache[1, blocks].reshape(-1, hkv, d)[:length].double()
+        qb = q[b].double()[None, :, None]  # [1, H, 1, D]
+        o = F.scaled_dot_product_attention(
+            qb, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale=scale, enable_gqa=True
+        )
+        outs.append(o[0, :, 0])
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,d,block_size,lens",
+    [
+        (12, 4, 64, 16, [1, 17, 200]),
+        (4, 4, 128, 32, [33]),
+        (8, 1, 80, 16, [5, 64, 1, 300]),
+    ],
+)
+def test_paged_decode_attention(heads, kv_heads, d, block_size, lens):
+    g = torch.Generator().manual_seed(sum(lens))
+    num_blocks = 64
+    kv = torch.randn(2, num_blocks, block_size, kv_heads, d, generator=g).to(BF16)
+    max_blocks = max(-(-n // block_size) for n in lens) + 1
+    table = torch.stack(
+        [torch.randperm(num_blocks, generator=g)[:max_blocks] for _ in lens]
+    ).int()
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), heads, d, generator=g).to(BF16)
+    scale = d**-0.5
+    out = ops.paged_decode_attention(q, kv, table, seq_lens, max(lens), scale)
+    ref = reference_decode(q, kv, table, seq_lens, scale)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
