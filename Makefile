@@ -10,11 +10,12 @@ PORT    ?= 8000
 
 # torch==2.13.0 goes in first (a local CPU wheel here); installing the project afterwards
 # then finds torch satisfied and never pulls a CUDA build.
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(wildcard pagedllm/ops/csrc/*)
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q torch==2.13.0
 	$(VPY) -m pip install -q -e '.[dev]'
+	$(VPY) -m pagedllm.ops   # compile the native CPU kernels once (cached by source hash)
 	touch $@
 
 venv: $(VENV)/.installed

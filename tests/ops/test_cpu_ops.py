@@ -132,9 +132,7 @@ def test_paged_decode_attention(heads, kv_heads, d, block_size, lens):
     num_blocks = 64
     kv = torch.randn(2, num_blocks, block_size, kv_heads, d, generator=g).to(BF16)
     max_blocks = max(-(-n // block_size) for n in lens) + 1
-    table = torch.stack(
-        [torch.randperm(num_blocks, generator=g)[:max_blocks] for _ in lens]
-    ).int()
+    table = torch.stack([torch.randperm(num_blocks, generator=g)[:max_blocks] for _ in lens]).int()
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     q = torch.randn(len(lens), heads, d, generator=g).to(BF16)
     scale = d**-0.5

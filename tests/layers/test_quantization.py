@@ -1,0 +1,148 @@
+"""Weight-only int8: quantization in the weight loaders, per-rank shards, the int8 GEMM paths
+and the engine's `quantization="int8"` (greedy agreement with bf16 on a trained model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.layers import linear as linear_mod
+from pagedllm.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from pagedllm.layers.quantization import check_quantization, quantize_model_, quantize_rows
+from pagedllm.layers.vocab_embedding import ParallelLMHead
+
+
+def test_quantize_rows_bounds_the_error():
+    w = torch.randn(8, 100) * torch.logspace(-3, 1, 8)[:, None]
+    w[3] = 0.0
+    q, scale = quantize_rows(w)
+    assert q.dtype == torch.int8 and q.abs().max() <= 127 and scale.shape == (8,)
+    err = (q.float() * scale[:, None] - w).abs()
+    assert (err <= scale[:, None] / 2 + 1e-7).all()
+    assert not q[3].any()
+
+
+def test_unknown_method_is_a_clear_error():
+    with pytest.raises(ValueError, match="quantization='fp4'"):
+        check_quantization("fp4")
+
+
+def _layers(tp: int, rank: int, monkeypatch):
+    """The linear layers of one block, built as rank `rank` of `tp`."""
+    monkeypatch.setattr(linear_mod, "get_tp_world_size", lambda: tp)
+    monkeypatch.setattr(linear_mod, "get_tp_rank", lambda: rank)
+    with torch.device("cpu"):
+        model = nn.ModuleDict(
+            {
+                "qkv": QKVParallelLinear(64, 16, 4, 2, params_dtype=torch.bfloat16),
+                "gate_up": MergedColumnParallelLinear(64, [96, 96], params_dtype=torch.bfloat16),
+                "down": RowParallelLinear(96, 64, params_dtype=torch.bfloat16),
+                "proj": ReplicatedLinear(64, 32, params_dtype=torch.bfloat16),
+            }
+        )
+    return quantize_model_(model, "int8")
+
+
+CHECKPOINT = {  # name -> [(shard_id, full tensor)]
+    name: [(sid, (torch.randn(*shape) * 0.2).to(torch.bfloat16)) for sid, shape in shards]
+    for name, shards in {
+        "qkv": [("q", (64, 64)), ("k", (32, 64)), ("v", (32, 64))],
+        "gate_up": [(0, (96, 64)), (1, (96, 64))],
+        "down": [(None, (64, 96))],
+        "proj": [(None, (32, 64))],
+    }.items()
+}
+
+
+def _load(model: nn.ModuleDict) -> None:
+    for name, shards in CHECKPOINT.items():
+        weight = model[name].weight
+        for shard_id, tensor in shards:
+            weight.weight_loader(weight, tensor, shard_id)
+
+
+def _dequantized(layer) -> torch.Tensor:
+    return layer.weight.float() * layer.weight_scale[:, None]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_ranks_hold_their_slice_of_the_whole_quantized_layer(tp, monkeypatch):
+    whole = _layers(1, 0, monkeypatch)
+    _load(whole)
+    for name, shards in CHECKPOINT.items():  # whole layers: quantized rows of the checkpoint
+        full = torch.cat([t for _, t in shards]).float()
+        assert whole[name].weight.dtype == torch.int8
+        torch.testing.assert_close(_dequantized(whole[name]), full, atol=0.01, rtol=0)
+    for rank in range(tp):
+        part = _layers(tp, rank, monkeypatch)
+        _load(part)
+        for name in ("gate_up", "down", "proj"):
+            w = _dequantized(whole[name])
+            if name == "gate_up":  # each of gate and up split by rows
+                n = 96 // tp
+                want = torch.cat(
+                    [w[rank * n : (rank + 1) * n], w[96 + rank * n : 96 + (rank + 1) * n]]
+                )
+            elif name == "down":  # split by columns; scales stay whole-row
+                want = w[:, rank * 96 // tp : (rank + 1) * 96 // tp]
+            else:
+                want = w
+            assert torch.equal(_dequantized(part[name]), want), (name, rank)
+
+
+@pytest.mark.parametrize("panels", [True, False])
+def test_int8_linear_matches_dequantized_weights(panels, monkeypatch):
+    if not panels:
+        monkeypatch.setenv("PAGEDLLM_CPU_PACK_WEIGHTS", "0")  # the widening fallback
+    model = _layers(1, 0, monkeypatch)
+    _load(model)
+    ref = {name: _dequantized(layer) for name, layer in model.items()}
+    for layer in model.values():
+        layer.process_weights_after_loading()
+    if panels and getattr(model["qkv"], "weight_panels", None) is None:
+        pytest.skip("no AVX512-BF16 panel kernel on this CPU")
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    for name in ("qkv", "proj"):
+        y = model[name](x)
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y.float(), F.linear(x.float(), ref[name]), rtol=2e-2, atol=2e-2)
+
+
+def test_lm_head_scales_follow_its_vocab_rows():
+    with torch.device("cpu"):
+        head = quantize_model_(nn.ModuleList([ParallelLMHead(10, 8)]), "int8")[0]
+    w = torch.randn(10, 8)
+    head.weight.weight_loader(head.weight, w)
+    torch.testing.assert_close(_dequantized(head), w, atol=0.05, rtol=0)
+
+
+def test_engine_int8_agrees_with_bf16_on_a_trained_model(copy_model_dir, monkeypatch):
+    """Greedy int8 vs bf16 over a fixed seeded prompt set of the trained copy model: at least
+    95% of the generated tokens agree (the first disagreement of a request sends the two
+    continuations apart, so every later token of it counts as disagreeing)."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.testing.copy_model import copy_prompts
+    from pagedllm.transformers_utils.tokenizer import get_tokenizer
+
+    monkeypatch.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")
+    prompts = copy_prompts(get_tokenizer(copy_model_dir), 16, 40, seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = {}
+    for q in (None, "int8"):
+        llm = LLM(model=copy_model_dir, dtype="bfloat16", quantization=q, kv_cache_memory=16 << 20)
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs[q] = [o.outputs[0].token_ids for o in got]
+        llm.shutdown()
+    agree = total = 0
+    for a, b in zip(outs[None], outs["int8"]):
+        first_diff = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        agree += first_diff
+        total += len(a)
+    assert agree / total >= 0.95, (agree, total)
