@@ -10,7 +10,7 @@ PORT    ?= 8000
 
 # torch==2.13.0 goes in first (a local CPU wheel here); installing the project afterwards
 # then finds torch satisfied and never pulls a CUDA build.
-$(VENV)/.installed: pyproject.toml $(wildcard pagedllm/ops/csrc/*)
+$(VENV)/.installed: pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q torch==2.13.0
