@@ -6,6 +6,8 @@
 // sum of V rows. The scores of one item take G * seq_len floats of scratch.
 #pragma once
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -72,9 +74,76 @@ PAGEDLLM_CLONES static void decode_values(const DecodeAttnArgs& a, int64_t b, in
   for (int64_t i = 0; i < G * D; ++i) out[i] = fp32_to_bf16(acc[i]);
 }
 
-// One (request b, KV head kvh) item. scratch: >= G * (seq_len + D) + 2 * D floats.
+#define PAGEDLLM_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+
+// 16 bf16 at p -> 16 fp32.
+PAGEDLLM_AVX512_TARGET static inline __m512 load_bf16x16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// The same three passes with AVX-512 (D a multiple of 16, D <= 256): K and V rows are
+// widened once per token and reused by the G query heads.
+PAGEDLLM_AVX512_TARGET static void decode_item_avx512(const DecodeAttnArgs& a, int64_t b,
+                                                     int64_t kvh, float* scratch) {
+  const int64_t D = a.head_size, G = a.num_heads / a.num_kv_heads, L = a.seq_lens[b];
+  const int64_t C = D / 16, row = a.num_kv_heads * D;
+  const int64_t values = a.num_blocks * a.block_size * row;
+  const int32_t* table = a.block_table + b * a.bt_stride;
+  float* qf = scratch;          // [G, D] scaled queries
+  float* scores = qf + G * D;   // [G, L]
+  float* acc = scores + G * L;  // [G, D]
+  const uint16_t* q = a.q + b * a.q_stride + kvh * G * D;
+  for (int64_t i = 0; i < G * D; ++i) qf[i] = bf16_to_fp32(q[i]) * a.scale;
+  __m512 kr[16];
+  for (int64_t t = 0; t < L; ++t) {
+    const int64_t slot = static_cast<int64_t>(table[t / a.block_size]) * a.block_size +
+                         t % a.block_size;
+    const uint16_t* k = a.kv + slot * row + kvh * D;
+    for (int64_t c = 0; c < C; ++c) kr[c] = load_bf16x16(k + 16 * c);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 s = _mm512_mul_ps(kr[0], _mm512_loadu_ps(qf + g * D));
+      for (int64_t c = 1; c < C; ++c) s = _mm512_fmadd_ps(kr[c], _mm512_loadu_ps(qf + g * D + 16 * c), s);
+      scores[g * L + t] = _mm512_reduce_add_ps(s);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * L;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 16 <= L; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + t));
+    float m = _mm512_reduce_max_ps(mx);
+    for (; t < L; ++t) m = std::max(m, sg[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (t = 0; t < L; ++t) sum += (sg[t] = exp_approx(sg[t] - m));
+    const float inv = 1.f / sum;
+    for (t = 0; t < L; ++t) sg[t] *= inv;
+  }
+  for (int64_t i = 0; i < G * D; ++i) acc[i] = 0.f;
+  for (int64_t t = 0; t < L; ++t) {
+    const int64_t slot = static_cast<int64_t>(table[t / a.block_size]) * a.block_size +
+                         t % a.block_size;
+    const uint16_t* v = a.kv + values + slot * row + kvh * D;
+    for (int64_t c = 0; c < C; ++c) kr[c] = load_bf16x16(v + 16 * c);
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 w = _mm512_set1_ps(scores[g * L + t]);
+      float* ag = acc + g * D;
+      for (int64_t c = 0; c < C; ++c)
+        _mm512_storeu_ps(ag + 16 * c, _mm512_fmadd_ps(w, kr[c], _mm512_loadu_ps(ag + 16 * c)));
+    }
+  }
+  uint16_t* out = a.out + (b * a.num_heads + kvh * G) * D;
+  for (int64_t i = 0; i < G * D; ++i) out[i] = fp32_to_bf16(acc[i]);
+}
+
+// One (request b, KV head kvh) item. scratch: >= G * (seq_len + 2 * D) + D floats.
 static void decode_item(const DecodeAttnArgs& a, int64_t b, int64_t kvh, float* scratch) {
   const int64_t D = a.head_size, G = a.num_heads / a.num_kv_heads;
+  if (D % 16 == 0 && D <= 256 && __builtin_cpu_supports("avx512f")) {
+    decode_item_avx512(a, b, kvh, scratch);
+    return;
+  }
   const int64_t L = a.seq_lens[b];
   float* qf = scratch;             // [G, D]
   float* scores = qf + G * D;      // [G, L]
@@ -87,7 +156,8 @@ static void decode_item(const DecodeAttnArgs& a, int64_t b, int64_t kvh, float* 
     float* s = scores + g * L;
     const float mx = *std::max_element(s, s + L);
     float sum = 0.f;
-    for (int64_t t = 0; t < L; ++t) sum += (s[t] = std::exp(s[t] - mx));
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < L; ++t) sum += (s[t] = exp_approx(s[t] - mx));
     const float inv = 1.f / sum;
     for (int64_t t = 0; t < L; ++t) s[t] *= inv;
   }

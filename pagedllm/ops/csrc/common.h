@@ -2,6 +2,7 @@
 // PyTorch rounds every bf16 op) and the function multi-versioning the portable loops use.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -22,15 +23,36 @@ static inline float bf16_to_fp32(uint16_t h) {
   return f;
 }
 
-static inline uint16_t fp32_to_bf16(float f) {
+static inline uint16_t fp32_to_bf16(float f) {  // branch-free, so loops over it vectorize
   uint32_t u;
   std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t quiet_nan = (u >> 16) | 0x40u;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
 
 // fp32 -> bf16 -> fp32: the value a bf16 PyTorch op would have stored.
 static inline float round_bf16(float f) { return bf16_to_fp32(fp32_to_bf16(f)); }
+
+// exp(x) to ~1 ulp (Cody-Waite reduction, Cephes' degree-6 polynomial): plain arithmetic, so
+// loops over it vectorize (libm's expf does not without -ffast-math). x is clamped to
+// [-87.3, 88.3] (exp underflows to ~1e-38 / stays below FLT_MAX).
+static inline float exp_approx(float x) {
+  x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
+  // Round to nearest by the 1.5 * 2^23 trick (no SSE4.1 rounding instruction needed).
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
 
 }  // namespace pagedllm

@@ -15,24 +15,29 @@ namespace pagedllm {
 PAGEDLLM_CLONES static void rms_norm_row(uint16_t* out, const uint16_t* x, uint16_t* residual,
                                          const uint16_t* w, int64_t n, float eps, float* tmp) {
   float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
   for (int64_t i = 0; i < n; ++i) {
     float s = bf16_to_fp32(x[i]);
     if (residual) s = round_bf16(s + bf16_to_fp32(residual[i]));
     tmp[i] = s;
     ss += s * s;
   }
-  if (residual)
+  if (residual) {
+#pragma omp simd
     for (int64_t i = 0; i < n; ++i) residual[i] = fp32_to_bf16(tmp[i]);
+  }
   const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+#pragma omp simd
   for (int64_t i = 0; i < n; ++i)
     out[i] = fp32_to_bf16(bf16_to_fp32(w[i]) * round_bf16(tmp[i] * r));
 }
 
 // out[i] = bf16(bf16(silu(gate[i])) * up[i]) for x = [gate | up].
 PAGEDLLM_CLONES static void silu_and_mul_row(uint16_t* out, const uint16_t* x, int64_t d) {
+#pragma omp simd
   for (int64_t i = 0; i < d; ++i) {
     const float g = bf16_to_fp32(x[i]);
-    const float s = round_bf16(g / (1.f + std::exp(-g)));
+    const float s = round_bf16(g / (1.f + exp_approx(-g)));
     out[i] = fp32_to_bf16(s * bf16_to_fp32(x[d + i]));
   }
 }
@@ -45,6 +50,7 @@ PAGEDLLM_CLONES static void rope_row(uint16_t* x, int64_t heads, int64_t head_si
   const int64_t half = rot / 2;
   for (int64_t h = 0; h < heads; ++h) {
     uint16_t* xh = x + h * head_size;
+#pragma omp simd
     for (int64_t i = 0; i < half; ++i) {
       const float c = round_bf16(cos_sin[i]), s = round_bf16(cos_sin[half + i]);
       const float x1 = bf16_to_fp32(xh[i]), x2 = bf16_to_fp32(xh[half + i]);
