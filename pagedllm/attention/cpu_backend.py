@@ -78,8 +78,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
         metadata: CpuAttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        out = super().forward(query, key, value, kv_cache, metadata, scale)  # writes K/V first
         d = metadata.decodes
+        if d is not None and isinstance(d.rows, slice) and d.rows == slice(0, query.shape[0]):
+            # A decode-only step: the kernel writes every row of the output.
+            self.write_kv(key, value, kv_cache, metadata)
+            return self.ops.paged_decode_attention(
+                query, kv_cache, d.block_table, d.seq_lens, d.max_seq_len, scale
+            )
+        out = super().forward(query, key, value, kv_cache, metadata, scale)  # writes K/V first
         if d is not None:
             rows = d.rows
             q = query[rows] if isinstance(rows, slice) else query.index_select(0, rows)

@@ -280,15 +280,8 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         num_tokens, num_heads, head_size = query.shape
-        num_kv_heads = key.shape[1]  # divides num_heads (checked by `Attention`)
         n = metadata.num_actual_tokens
-        row = num_kv_heads * head_size
-        key_cache = kv_cache[0].view(-1, row)  # [num_slots, Hkv * D]
-        value_cache = kv_cache[1].view(-1, row)
-        if n > 0:
-            key_cache.index_copy_(0, metadata.slot_mapping, key[:n].reshape(n, row))
-            value_cache.index_copy_(0, metadata.slot_mapping, value[:n].reshape(n, row))
-
+        self.write_kv(key, value, kv_cache, metadata)
         out = torch.empty(
             (num_tokens, num_heads, head_size), dtype=query.dtype, device=query.device
         )
@@ -299,6 +292,21 @@ class TorchAttentionBackend(AttentionBackend):
         if n < num_tokens:
             out[n:].zero_()  # padding rows: defined values, nothing else reads them
         return out
+
+    @staticmethod
+    def write_kv(
+        key: torch.Tensor,  # [T, Hkv, D]
+        value: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        metadata: TorchAttentionMetadata,
+    ) -> None:
+        """Scatter the step's real key/value rows into their cache slots."""
+        n = metadata.num_actual_tokens
+        if n == 0:
+            return
+        row = key.shape[1] * key.shape[2]
+        kv_cache[0].view(-1, row).index_copy_(0, metadata.slot_mapping, key[:n].reshape(n, row))
+        kv_cache[1].view(-1, row).index_copy_(0, metadata.slot_mapping, value[:n].reshape(n, row))
 
     @staticmethod
     def _attend_group(

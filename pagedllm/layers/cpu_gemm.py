@@ -73,8 +73,8 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> [ceil(N / 64), K / 2, 64, 2]: panels of 64 output channels, k-pairs inside
     (zero rows pad N to a whole panel)."""
     n, k = weight.shape
-    padded = F.pad(weight, (0, 0, 0, -n % PANEL))
-    return padded.view(-1, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    padded = F.pad(weight, (0, 0, 0, -n % PANEL)) if n % PANEL else weight
+    return padded.reshape(-1, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 def from_panels(panels: torch.Tensor, n: int) -> torch.Tensor:
