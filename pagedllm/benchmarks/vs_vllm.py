@@ -197,6 +197,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--engines", nargs="+", default=["vllm", "pagedllm"])
     p.add_argument("--int8", action="store_true", help="also pagedllm with quantization=int8")
     p.add_argument("--profile", action="store_true", help="per-op profiles instead of timings")
+    p.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=4.0,
+        help="KV cache of every engine (GiB; both default to 4): VLLM_CPU_KVCACHE_SPACE and "
+        "kv_cache_memory",
+    )
     p.add_argument("--vllm-env", default=DEFAULT_VLLM_ENV)
     p.add_argument("--pagedllm-kwargs", default="{}", help="JSON LLM kwargs for pagedllm")
     p.add_argument("--vllm-kwargs", default="{}", help="JSON LLM kwargs for vLLM")
@@ -205,13 +212,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def start_workers(args: argparse.Namespace, in_process: bool) -> list[Worker]:
+    kv_bytes = int(args.kv_cache_gib * (1 << 30))
     specs = []
     for engine in args.engines:
-        specs.append((engine, engine, json.loads(getattr(args, f"{engine}_kwargs"))))
+        kw = json.loads(getattr(args, f"{engine}_kwargs"))
+        if engine == "pagedllm":
+            kw.setdefault("kv_cache_memory", kv_bytes)
+        specs.append((engine, engine, kw))
     if args.int8:
         kw = dict(json.loads(args.pagedllm_kwargs), quantization="int8")
+        kw.setdefault("kv_cache_memory", kv_bytes)
         specs.append(("pagedllm-int8", "pagedllm", kw))
-    env = dict(os.environ)
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=f"{args.kv_cache_gib:g}")
     if in_process:
         from pagedllm.engine.core_client import ENGINE_GLIBC_TUNABLES, MULTIPROCESSING_ENV
 
