@@ -1,0 +1,44 @@
+"""The pagedllm-vs-vLLM driver: workloads, roofline arithmetic, and a whole run against
+pagedllm alone (vLLM's CPU build is not installed in CI), int8 included."""
+
+from __future__ import annotations
+
+import json
+
+from pagedllm.benchmarks import vs_vllm
+
+
+def test_workloads_are_the_issues_and_seeded():
+    ((prompts, outs),) = vs_vllm.workload("mixed", 700, seed=0)
+    assert len(prompts) == 128 and all(32 <= len(p) <= 256 for p in prompts)
+    assert all(16 <= n <= 128 for n in outs) and all(3 <= t < 700 for t in prompts[0])
+    assert vs_vllm.workload("mixed", 700, seed=0) == vs_vllm.workload("mixed", 700, seed=0)
+    assert vs_vllm.workload("mixed", 700, seed=1) != vs_vllm.workload("mixed", 700, seed=0)
+    ((prompts, outs),) = vs_vllm.workload("batch64", 700, seed=0)
+    assert [len(p) for p in prompts] == [128] * 64 and outs == [128] * 64
+    long, short = vs_vllm.workload("decode1", 700, seed=0)
+    assert long[1] == [1 + vs_vllm.DECODE_TOKENS] and short[1] == [1]
+
+
+def test_model_shape_counts_flops_and_bytes(tmp_path):
+    cfg = dict(hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+               num_key_value_heads=1, vocab_size=10)  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    shape = vs_vllm.ModelShape.from_dir(str(tmp_path))
+    per_layer = 8 * (2 + 2) * 4 + 2 * 4 * 8 + 3 * 8 * 16  # qkv, o, gate/up/down
+    assert shape.linear_params == 2 * per_layer and shape.head_params == 80
+    assert shape.decode_bytes(2.0) == 2 * (2 * per_layer + 80)
+    # one prompt token, one output: only the prompt token is fed (1 token, 1 key)
+    assert shape.flops([1], [1]) == 2 * 2 * per_layer + 2 * 80 + 4 * 8 * 2 * 1
+
+
+def test_driver_runs_pagedllm_and_int8(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")  # the workers inherit it
+    out = tmp_path / "result.json"
+    argv = ["--model", tiny_model_dir, "--engines", "pagedllm", "--int8", "--rounds", "1",
+            "--workloads", "decode1", "--kv-cache-gib", "0.05", "--output-json", str(out)]  # fmt: skip
+    assert vs_vllm.main(argv) == 0
+    result = json.loads(out.read_text())
+    for name in ("pagedllm", "pagedllm-int8"):
+        assert result[name]["decode1"]["tokens_per_s"] > 0 and result[name]["decode1"]["gb_s"] > 0
+    assert "| decode1 |" in capsys.readouterr().out
