@@ -49,10 +49,27 @@ struct GemmArgs {
   int64_t ldo;
 };
 
-// acc[MT][4] (+)= x[MT rows, 2 kp .. 2 (kp + nkp)] * panel chunk; c is [MT][64] fp32.
-template <int MT>
-PAGEDLLM_BF16_TARGET static inline void micro_bf16(
-    const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t nkp, float* c, bool load_c) {
+// Vector j (16 outputs x 2 inputs) of a k-pair's 64 x 2 panel values, as bf16 pairs: loaded
+// (bf16 panels) or widened in registers, exactly (int8 panels).
+PAGEDLLM_BF16_TARGET static inline __m512bh load_pairs(const uint16_t* wk, int j) {
+  return (__m512bh)_mm512_loadu_si512(wk + 32 * j);
+}
+
+PAGEDLLM_BF16_TARGET static inline __m512bh load_pairs(const int8_t* wk, int j) {
+  const int8_t* src = wk + 32 * j;
+  const __m512 lo = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+  const __m512 hi = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// c[MT][64] (+)= x[MT rows, 2 kp0 .. 2 (kp0 + nkp)] * panel chunk w (bf16, or int8 widened in
+// registers: for a few rows, where the weights stream from DRAM and a widened scratch copy
+// would cost a second pass over them).
+template <int MT, typename W>
+PAGEDLLM_BF16_TARGET static inline void micro(
+    const uint16_t* x, int64_t ldx, const W* w, int64_t nkp, float* c, bool load_c) {
   // Accumulators start at zero and are added to c at the end (not loaded from c): with a
   // conditional start GCC keeps a stack copy of all 24 and stores it every iteration.
   __m512 acc[MT][4];
@@ -61,12 +78,10 @@ PAGEDLLM_BF16_TARGET static inline void micro_bf16(
   const int32_t* xr[MT];
   for (int m = 0; m < MT; ++m) xr[m] = reinterpret_cast<const int32_t*>(x + m * ldx);
   for (int64_t kp = 0; kp < nkp; ++kp) {
-    const uint16_t* wk = w + kp * 2 * kPanel;
-    if (MT <= 2) _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * 2 * kPanel), _MM_HINT_T0);
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wk + 32);
-    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wk + 64);
-    const __m512bh w3 = (__m512bh)_mm512_loadu_si512(wk + 96);
+    const W* wk = w + kp * 2 * kPanel;
+    if (MT <= 4) _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * 2 * kPanel), _MM_HINT_T0);
+    const __m512bh w0 = load_pairs(wk, 0), w1 = load_pairs(wk, 1);
+    const __m512bh w2 = load_pairs(wk, 2), w3 = load_pairs(wk, 3);
 #pragma GCC unroll 6
     for (int m = 0; m < MT; ++m) {
       const __m512bh xb = (__m512bh)_mm512_set1_epi32(xr[m][kp]);
@@ -83,63 +98,24 @@ PAGEDLLM_BF16_TARGET static inline void micro_bf16(
     }
 }
 
-// int8 panel chunk -> 4 vectors of bf16 pairs of one k-pair, widened in registers.
-PAGEDLLM_BF16_TARGET static inline __m512bh widen_pairs(const int8_t* src) {
-  const __m512 lo = _mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
-  const __m512 hi = _mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
-  return _mm512_cvtne2ps_pbh(hi, lo);
-}
-
-// micro_bf16 on an int8 panel, widening each k-pair in registers: for a few rows, where the
-// weights stream from DRAM and a widened scratch copy would cost a second pass over them.
-template <int MT>
-PAGEDLLM_BF16_TARGET static inline void micro_int8(
-    const uint16_t* x, int64_t ldx, const int8_t* w, int64_t nkp, float* c, bool load_c) {
-  __m512 acc[MT][4];
-  for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
-  const int32_t* xr[MT];
-  for (int m = 0; m < MT; ++m) xr[m] = reinterpret_cast<const int32_t*>(x + m * ldx);
-  for (int64_t kp = 0; kp < nkp; ++kp) {
-    const int8_t* wk = w + kp * 2 * kPanel;
-    _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * 2 * kPanel), _MM_HINT_T0);
-    const __m512bh w0 = widen_pairs(wk), w1 = widen_pairs(wk + 32);
-    const __m512bh w2 = widen_pairs(wk + 64), w3 = widen_pairs(wk + 96);
-#pragma GCC unroll 4
-    for (int m = 0; m < MT; ++m) {
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(xr[m][kp]);
-      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, xb);
-      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xb);
-      acc[m][2] = _mm512_dpbf16_ps(acc[m][2], w2, xb);
-      acc[m][3] = _mm512_dpbf16_ps(acc[m][3], w3, xb);
-    }
-  }
-  for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < 4; ++j) {
-      float* cj = c + m * kPanel + 16 * j;
-      _mm512_storeu_ps(cj, load_c ? _mm512_add_ps(acc[m][j], _mm512_loadu_ps(cj)) : acc[m][j]);
-    }
-}
-
+template <typename W>
 PAGEDLLM_BF16_TARGET static inline void micro_dispatch(
-    int64_t rows, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t nkp, float* c,
+    int64_t rows, const uint16_t* x, int64_t ldx, const W* w, int64_t nkp, float* c,
     bool load_c) {
   switch (rows) {
-    case 1: micro_bf16<1>(x, ldx, w, nkp, c, load_c); break;
-    case 2: micro_bf16<2>(x, ldx, w, nkp, c, load_c); break;
-    case 3: micro_bf16<3>(x, ldx, w, nkp, c, load_c); break;
-    case 4: micro_bf16<4>(x, ldx, w, nkp, c, load_c); break;
-    case 5: micro_bf16<5>(x, ldx, w, nkp, c, load_c); break;
-    default: micro_bf16<6>(x, ldx, w, nkp, c, load_c); break;
+    case 1: micro<1>(x, ldx, w, nkp, c, load_c); break;
+    case 2: micro<2>(x, ldx, w, nkp, c, load_c); break;
+    case 3: micro<3>(x, ldx, w, nkp, c, load_c); break;
+    case 4: micro<4>(x, ldx, w, nkp, c, load_c); break;
+    case 5: micro<5>(x, ldx, w, nkp, c, load_c); break;
+    default: micro<6>(x, ldx, w, nkp, c, load_c); break;
   }
 }
 
 // int8 panel chunk (nkp x 128 values) -> bf16 (exact) in scratch.
 PAGEDLLM_BF16_TARGET static inline void widen_int8(const int8_t* src, int64_t nkp, uint16_t* dst) {
   for (int64_t i = 0; i < nkp * 2 * kPanel; i += 32)
-    _mm512_storeu_si512(dst + i, (__m512i)widen_pairs(src + i));
+    _mm512_storeu_si512(dst + i, (__m512i)load_pairs(src + i, 0));
 }
 
 // Rows [m0, m1) x panel p: K-chunks, 6-row tiles, then the epilogue (scale, bias, store).
@@ -150,13 +126,8 @@ PAGEDLLM_BF16_TARGET static void gemm_item(
     const int64_t nkp = std::min(kKChunk, kp_total - kp0);
     const int64_t off = (p * kp_total + kp0) * 2 * kPanel;
     if (a.w_int8 && m1 - m0 <= kDirectInt8Rows) {
-      const int8_t* panel = static_cast<const int8_t*>(a.w) + off;
-      const int64_t rows = m1 - m0;
-      const uint16_t* x = a.x + m0 * a.ldx + 2 * kp0;
-      if (rows == 1) micro_int8<1>(x, a.ldx, panel, nkp, c, kp0 > 0);
-      else if (rows == 2) micro_int8<2>(x, a.ldx, panel, nkp, c, kp0 > 0);
-      else if (rows == 3) micro_int8<3>(x, a.ldx, panel, nkp, c, kp0 > 0);
-      else micro_int8<4>(x, a.ldx, panel, nkp, c, kp0 > 0);
+      micro_dispatch(m1 - m0, a.x + m0 * a.ldx + 2 * kp0, a.ldx,
+                     static_cast<const int8_t*>(a.w) + off, nkp, c, kp0 > 0);
       continue;
     }
     const uint16_t* panel;
