@@ -86,7 +86,8 @@ def pack_linear_weight_(module: torch.nn.Module) -> None:
     """Lay out `module.weight` ([out, in]) for its CPU kernel (see the module docstring) and
     free the plain copy's storage. No-op where no packing applies."""
     weight = module.weight.data
-    if can_use_panels(weight):
+    bf16_activations = getattr(module, "activation_dtype", weight.dtype) == torch.bfloat16
+    if can_use_panels(weight) and bf16_activations:  # the kernel multiplies bf16 x
         module.weight_panels = to_panels(weight)
     elif weight.dtype == torch.bfloat16 and can_pack(weight):
         module.weight_packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())

@@ -45,6 +45,7 @@ def _int8_layer_(module: nn.Module, load_scale) -> None:
     `load_scale(scale_buffer, scale, shard_id)` places the scales of one tensor."""
     old = module.weight
     loader = old.weight_loader
+    module.activation_dtype = old.dtype  # the model dtype, which x keeps
     weight = nn.Parameter(torch.empty(old.shape, dtype=torch.int8), requires_grad=False)
     module.register_buffer(
         "weight_scale", torch.empty(old.shape[0], dtype=torch.float32), persistent=False

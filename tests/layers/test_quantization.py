@@ -115,6 +115,17 @@ def test_int8_linear_matches_dequantized_weights(panels, monkeypatch):
         torch.testing.assert_close(y.float(), F.linear(x.float(), ref[name]), rtol=2e-2, atol=2e-2)
 
 
+def test_int8_in_an_fp32_model_takes_the_widening_path():
+    with torch.device("cpu"):
+        layer = quantize_model_(nn.ModuleList([ReplicatedLinear(64, 32)]), "int8")[0]
+    w = torch.randn(32, 64)
+    layer.weight.weight_loader(layer.weight, w)
+    layer.process_weights_after_loading()
+    assert getattr(layer, "weight_panels", None) is None and layer.weight.dtype == torch.int8
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(layer(x), F.linear(x, _dequantized(layer)), rtol=1e-5, atol=1e-5)
+
+
 def test_lm_head_scales_follow_its_vocab_rows():
     with torch.device("cpu"):
         head = quantize_model_(nn.ModuleList([ParallelLMHead(10, 8)]), "int8")[0]
