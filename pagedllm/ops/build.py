@@ -70,11 +70,21 @@ def build(verbose: bool = False) -> Path:
     return out / f"{EXT_NAME}.so"
 
 
+def _registered() -> bool:
+    try:
+        torch.ops.pagedllm.cpu_has_avx512_bf16  # noqa: B018 (resolves only if registered)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
 @functools.cache
 def cpu_ops() -> Any | None:
     """`torch.ops.pagedllm`, built and loaded on first use; None if disabled or unavailable."""
     if not kernels_enabled() or sys.platform != "linux":
         return None
+    if _registered():  # loaded already (a second library would register the ops twice)
+        return torch.ops.pagedllm
     try:
         build()
     except Exception as e:  # no compiler, no ninja, a failed build: stay on PyTorch
