@@ -217,7 +217,7 @@ class EngineArgs:
                     help=help_text,
                 )
             elif f.name == "quantization":
-                group.add_argument(flag, "-q", choices=["int8"], default=None, help=help_text)
+                group.add_argument(*flags, "-q", choices=["int8"], default=None, help=help_text)
             elif f.name == "speculative_config":
                 group.add_argument(*flags, type=json.loads, default=None, help=help_text)
             elif f.name == "served_model_name":
