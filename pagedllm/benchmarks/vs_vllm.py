@@ -205,6 +205,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "kv_cache_memory",
     )
     p.add_argument("--vllm-env", default=DEFAULT_VLLM_ENV)
+    p.add_argument(
+        "--pagedllm-env",
+        nargs="*",
+        default=[],
+        metavar="NAME=VALUE",
+        help="environment for the pagedllm workers only (e.g. OMP_WAIT_POLICY=PASSIVE on a "
+        "shared machine)",
+    )
     p.add_argument("--pagedllm-kwargs", default="{}", help="JSON LLM kwargs for pagedllm")
     p.add_argument("--vllm-kwargs", default="{}", help="JSON LLM kwargs for vLLM")
     p.add_argument("--output-json", default=None)
@@ -229,12 +237,12 @@ def start_workers(args: argparse.Namespace, in_process: bool) -> list[Worker]:
 
         env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", MULTIPROCESSING_ENV: "0"})
         env.setdefault("GLIBC_TUNABLES", ENGINE_GLIBC_TUNABLES)
+    paged_env = dict(env, **dict(kv.split("=", 1) for kv in args.pagedllm_env))
     workers: list[Worker] = []
     try:
         for name, engine, kw in specs:
-            workers.append(
-                Worker.start(name, worker_argv(engine, args.model, kw, args.vllm_env), env)
-            )
+            argv = worker_argv(engine, args.model, kw, args.vllm_env)
+            workers.append(Worker.start(name, argv, paged_env if engine == "pagedllm" else env))
     except BaseException:
         for w in workers:
             w.stop()
