@@ -1,6 +1,6 @@
 """AsyncLLM: the asyncio front end that the OpenAI server runs on.
 
-Requests are validated and tokenized here (`Processor`), sent to an `EngineCoreProc` through
+Requests are validated and tokenized here (`Processor`, on a tokenizer thread), sent to an `EngineCoreProc` through
 `AsyncMPClient`, and their outputs come back through one output-handler task: it awaits the
 client, turns `EngineCoreOutputs` into `RequestOutput`s (`OutputProcessor`, which detokenizes
 and checks stop strings) and puts each into its request's `RequestOutputCollector`. The
@@ -16,9 +16,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import time
 from collections.abc import AsyncGenerator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+import msgspec
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine import EngineCoreRequest
@@ -72,6 +76,11 @@ class AsyncLLM:
             tokenizer = get_tokenizer(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
         self.tokenizer = tokenizer
         self.processor = Processor(config, tokenizer)
+        # The one thread besides the event loop that tokenizes (prompts, chat templates,
+        # request processing), so a long input never stalls the loop. One worker serializes
+        # those calls: a Hugging Face fast tokenizer must not be reconfigured while another
+        # thread encodes with it ("Already borrowed"). Detokenization stays on the loop.
+        self.tokenizer_executor = ThreadPoolExecutor(1, thread_name_prefix="Tokenizer")
         self.output_processor = OutputProcessor(tokenizer)
         self.engine_core: AsyncMPClient = EngineCoreClient.make_client(  # type: ignore[assignment]
             config, multiprocess_mode=True, asyncio_mode=True, engine_core_cls=engine_core_cls
@@ -140,29 +149,48 @@ class AsyncLLM:
         """Validate, register and send one request; its outputs arrive in the returned
         collector. Raises ValueError (bad input) or EngineDeadError. `processed`: what
         `processor.process_inputs` already returned for these arguments (the server validates
-        before it starts a stream); it is not processed again."""
+        before it starts a stream); it is not processed again (otherwise the processor runs
+        on `tokenizer_executor`, off the event loop).
+
+        `request_id` is the caller's: outputs report it, and `abort(request_id)` aborts every
+        request added under it. Inside the engine the request gets a unique id of its own
+        (`request_id` plus a random suffix, as vLLM does; the collector's `request_id`), so a
+        caller reusing an id can never reach another request."""
         if self.errored:
             raise self.dead_error
         self._start_background_tasks()
         if processed is None:
-            processed = self.processor.process_inputs(
-                request_id, prompt, params, arrival_time, priority
+            processed = await asyncio.get_running_loop().run_in_executor(
+                self.tokenizer_executor,
+                self.processor.process_inputs,
+                request_id,
+                prompt,
+                params,
+                arrival_time,
+                priority,
             )
         prompt_text, request = processed
-        queue = RequestOutputCollector(request.sampling_params.output_kind)
-        children = fan_out(request)
-        added: list[str] = []
+        internal_id = self._internal_request_id(request_id)
+        request = msgspec.structs.replace(request, request_id=internal_id)
+        queue = RequestOutputCollector(request.sampling_params.output_kind, internal_id)
         try:
-            for child, parent_req, index in children:
-                self.output_processor.add_request(child, prompt_text, parent_req, index, queue)
-                added.append(child.request_id)
+            for child, parent_req, index in fan_out(request):
+                self.output_processor.add_request(
+                    child, prompt_text, parent_req, index, queue, external_req_id=request_id
+                )
                 await self.engine_core.add_request_async(child)
         except BaseException:
-            self.output_processor.abort_requests(added)
-            if len(children) > 1:
-                self.output_processor.abort_requests([request_id])
+            self._abort_nowait(internal_id, request_id, reason="it could not be added")
             raise
         return queue
+
+    def _internal_request_id(self, request_id: str) -> str:
+        """`request_id` plus a random suffix no request in flight here has."""
+        op = self.output_processor
+        while True:
+            internal_id = f"{request_id}-{secrets.token_hex(4)}"
+            if internal_id not in op.request_states and internal_id not in op.parents:
+                return internal_id
 
     async def generate(
         self,
@@ -210,23 +238,27 @@ class AsyncLLM:
                 yield out
         except (asyncio.CancelledError, GeneratorExit):
             if queue is not None:
-                self._abort_nowait(request_id, reason="client went away")
+                self._abort_nowait(queue.request_id, request_id, reason="client went away")
             raise
         except (EngineDeadError, ValueError):
             raise
         except Exception as e:
             if queue is not None:
-                self._abort_nowait(request_id, reason=str(e))
+                self._abort_nowait(queue.request_id, request_id, reason=str(e))
             raise EngineGenerateError(f"request {request_id} failed: {e}") from e
 
     async def abort(self, request_id: str | list[str]) -> None:
-        """Abort requests (ids as passed to `generate`); their KV blocks are freed."""
+        """Abort requests (ids as passed to `generate`: every request added under such an id);
+        their KV blocks are freed."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            self._abort_nowait(rid, reason="aborted by the caller")
+            for internal_id in self.output_processor.find_requests(rid):
+                self._abort_nowait(internal_id, rid, reason="aborted by the caller")
 
-    def _abort_nowait(self, request_id: str, reason: str) -> None:
-        core_ids = self.output_processor.abort_requests([request_id])
+    def _abort_nowait(self, internal_id: str, request_id: str, reason: str) -> None:
+        """Forget request `internal_id` (a parent's id aborts its children) and abort it in the
+        engine core; `request_id` is the caller's id, for the log line."""
+        core_ids = self.output_processor.abort_requests([internal_id])
         if not core_ids:
             return
         try:
@@ -289,4 +321,5 @@ class AsyncLLM:
                     task.cancel()
                 except RuntimeError:
                     pass  # its event loop is already closed
+        self.tokenizer_executor.shutdown(wait=False, cancel_futures=True)
         self.engine_core.shutdown()

@@ -32,9 +32,11 @@ class RequestOutputCollector:
     """One request's mailbox between the output handler and the consumer (AsyncLLM).
 
     The producer never blocks: if the consumer lags, DELTA outputs are merged into the one
-    waiting and CUMULATIVE ones replace it; an exception is delivered as is."""
+    waiting and CUMULATIVE ones replace it; an exception is delivered as is. `request_id` is
+    the engine-internal id of the request it serves (what aborting it takes)."""
 
-    def __init__(self, output_kind: RequestOutputKind) -> None:
+    def __init__(self, output_kind: RequestOutputKind, request_id: str = "") -> None:
+        self.request_id = request_id
         self.aggregate = output_kind == RequestOutputKind.DELTA
         self.output: RequestOutput | Exception | None = None
         self.ready = asyncio.Event()
@@ -84,6 +86,7 @@ def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
 @dataclass
 class RequestState:
     request_id: str
+    external_req_id: str  # the caller's id, reported in RequestOutput.request_id
     prompt: str | None
     prompt_token_ids: list[int]
     output_kind: RequestOutputKind
@@ -132,7 +135,10 @@ class OutputProcessor:
         parent_req: ParentRequest | None = None,
         request_index: int = 0,
         queue: RequestOutputCollector | None = None,
+        external_req_id: str | None = None,
     ) -> None:
+        """Track one engine-core request. `external_req_id` is the id its outputs report
+        (default: its own id; for n > 1, the parent's); internal ids must be unique."""
         if request.request_id in self.request_states:
             raise ValueError(f"request_id={request.request_id!r} is already in use")
         params = request.sampling_params
@@ -141,6 +147,8 @@ class OutputProcessor:
             detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params)
         self.request_states[request.request_id] = RequestState(
             request_id=request.request_id,
+            external_req_id=external_req_id
+            or (parent_req.request_id if parent_req is not None else request.request_id),
             prompt=prompt,
             prompt_token_ids=request.prompt_token_ids,
             output_kind=params.output_kind,
@@ -165,6 +173,15 @@ class OutputProcessor:
                 if self.request_states.pop(cid, None) is not None:
                     to_abort.append(cid)
         return to_abort
+
+    def find_requests(self, external_req_id: str) -> list[str]:
+        """The ids `abort_requests` takes (a parent's for n > 1) of every request tracked under
+        the caller's id `external_req_id`."""
+        found: dict[str, None] = {}
+        for state in self.request_states.values():
+            if state.external_req_id == external_req_id:
+                found[state.parent.request_id if state.parent else state.request_id] = None
+        return list(found)
 
     def propagate_error(self, error: Exception) -> None:
         """The engine died: every waiting consumer gets `error`; all requests are dropped."""
@@ -365,17 +382,15 @@ class OutputProcessor:
             finish_reason=str(finish_reason) if finished else None,
             stop_reason=stop_reason if finished else None,
         )
-        request_id = state.request_id
         completions = [completion]
         done = finished
         if state.parent is not None:
-            request_id = state.parent.request_id
             got = state.parent.add_child_output(state.request_index, completion)
             if got is None:
                 return None
             completions, done = got, state.parent.finished
         return RequestOutput(
-            request_id=request_id,
+            request_id=state.external_req_id,
             prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids,
             prompt_logprobs=prompt_logprobs,

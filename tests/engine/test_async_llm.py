@@ -108,6 +108,46 @@ def test_abort_and_cancel_free_the_engine(engine, loop):
     assert out[-1].finished
 
 
+def test_reused_request_id_never_reaches_the_other_request(engine, loop):
+    """Requests added under one caller id (n = 2) run apart; one that fails half-added is
+    cleaned up without touching the other, and the engine core is left idle."""
+
+    async def run():
+        params = _greedy(RequestOutputKind.FINAL_ONLY, max_tokens=6, n=2)
+        a, b = await asyncio.gather(
+            _collect(engine, params, "same"), _collect(engine, params, "same")
+        )
+        for out in (a[-1], b[-1]):
+            assert out.request_id == "same" and out.finished
+            assert sorted(len(c.token_ids) for c in out.outputs) == [6, 6]
+
+        gen = engine.generate(PROMPT, _greedy(RequestOutputKind.DELTA, 30, n=2), "dup")
+        await gen.__anext__()
+        real_add = engine.engine_core.add_request_async
+        sent: list[str] = []
+
+        async def second_child_fails(request):
+            sent.append(request.request_id)
+            if len(sent) == 2:
+                raise RuntimeError("injected failure")
+            await real_add(request)
+
+        engine.engine_core.add_request_async = second_child_fails
+        try:
+            with pytest.raises(RuntimeError, match="injected"):
+                await engine.add_request("dup", PROMPT, params)
+        finally:
+            del engine.engine_core.add_request_async  # the class's method again
+        rest = [out async for out in gen]
+        assert rest[-1].finished
+        assert engine.output_processor.request_states == {}
+        assert engine.output_processor.parents == {}
+        # The child that reached the core was aborted there (in order, before this call).
+        assert not await engine.engine_core.call_utility_async("has_unfinished_requests")
+
+    loop.run_until_complete(asyncio.wait_for(run(), 60))
+
+
 def test_bad_input_is_a_value_error(engine, loop):
     with pytest.raises(ValueError, match="max_model_len"):
         loop.run_until_complete(
