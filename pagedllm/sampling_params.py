@@ -161,8 +161,14 @@ class SamplingParams(
             or any(not isinstance(w, str) for w in self.bad_words)
         ):
             raise bad("bad_words", self.bad_words, "a list of strings")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", self.seed, "an integer")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**63
+        ):
+            raise bad("seed", self.seed, "an integer in [-2**63, 2**63 - 1]")
+        if self.logit_bias is not None:
+            out_of_range = {t: b for t, b in self.logit_bias.items() if not -100 <= b <= 100}
+            if out_of_range:
+                raise bad("logit_bias", out_of_range, "values in [-100, 100]")
 
     @property
     def sampling_type_greedy(self) -> bool:

@@ -39,6 +39,10 @@ from pagedllm.sampling_params import SamplingParams
         ({"logit_bias": {"a": 1.0}}, "logit_bias", "'a'"),
         ({"logit_bias": [1, 2]}, "logit_bias", "[1, 2]"),
         ({"seed": 1.5}, "seed", "1.5"),
+        ({"seed": 2**63}, "seed", str(2**63)),  # torch.Generator / msgpack range
+        ({"seed": -(2**63) - 1}, "seed", str(-(2**63) - 1)),
+        ({"logit_bias": {"5": 100.5}}, "logit_bias", "100.5"),  # OpenAI's range
+        ({"logit_bias": {"5": float("nan")}}, "logit_bias", "nan"),
     ],
 )
 def test_invalid_values_name_field_and_value(kwargs, field, value):
@@ -58,6 +62,9 @@ def test_invalid_values_name_field_and_value(kwargs, field, value):
         {"min_tokens": 4, "max_tokens": 4},
         {"max_tokens": None, "min_tokens": 100},
         {"repetition_penalty": 3.0},  # vLLM puts no upper bound on it
+        {"seed": 2**63 - 1},
+        {"seed": -(2**63)},
+        {"logit_bias": {5: -100, 6: 100}},
         {"presence_penalty": -2.0, "frequency_penalty": 2.0},
         {"logprobs": 0, "prompt_logprobs": 5},
         {"stop": "###", "stop_token_ids": (3, 4)},

@@ -3,8 +3,10 @@ together with this layer's own paged KV-cache tensor."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -102,6 +104,19 @@ def kv_cache_bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dty
     )
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor. On the CPU, memory the OS zeroes lazily (calloc: fresh pages read as
+    zero and are committed when first written): `torch.zeros` would write every page up front,
+    seconds for a default-sized cache, and commit memory no request may ever use. Reads of
+    never-written slots (masked padding) still see zeros, never garbage."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buf = np.zeros(nbytes + 64, dtype=np.uint8)
+    start = -buf.ctypes.data % 64  # cache-line aligned, as torch's own allocator does
+    return torch.from_numpy(buf[start : start + nbytes]).view(dtype).view(shape)
+
+
 def allocate_kv_caches(
     model: nn.Module,
     backend: AttentionBackend,
@@ -112,10 +127,10 @@ def allocate_kv_caches(
 ) -> list[torch.Tensor]:
     """One zeroed paged KV tensor per Attention layer of `model`, bound to it; returns them."""
     caches = [
-        torch.zeros(
+        _zeros(
             backend.get_kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_size),
-            dtype=dtype,
-            device=device,
+            dtype,
+            torch.device(device),
         )
         for layer in get_attention_layers(model)
     ]

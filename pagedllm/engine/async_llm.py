@@ -8,7 +8,7 @@ consumer of `generate()` takes from that collector, so a slow consumer never sta
 handler (DELTA outputs are merged while it lags). Stat loggers are fed from the same task.
 
 If the engine process dies, every pending request gets `EngineDeadError`, and so does every
-new one; `errored` turns true and `check_health()` raises.
+new one; `errored` turns true, `check_health()` raises and the periodic stats log stops.
 """
 
 from __future__ import annotations
@@ -309,6 +309,8 @@ class AsyncLLM:
     async def _run_stats_logging(self) -> None:
         while True:
             await asyncio.sleep(self.stats_interval_s)
+            if self.errored:  # the last stats describe an engine that is gone
+                return
             for stat_logger in self.stat_loggers:
                 stat_logger.log()
 

@@ -341,7 +341,7 @@ class OutputProcessor:
             state.token_ids.extend(beam.token_ids)  # counted as generated in the stats
         state.num_cached_tokens = out.num_cached_tokens
         return RequestOutput(
-            request_id=state.request_id,
+            request_id=state.external_req_id,
             prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids,
             prompt_logprobs=None,

@@ -37,12 +37,13 @@ class ParentRequest:
         self.max_num_generation_tokens = 0  # the longest finished child (metrics)
 
     def get_child_info(self, index: int) -> tuple[str, SamplingParams]:
-        """Child `index`'s request id and params (n=1; a seeded request gets seed + index so
-        the children differ yet stay reproducible)."""
+        """Child `index`'s request id and params (n=1; a seeded request gets seed + index,
+        wrapped into the int64 range seeds must stay in, so the children differ yet stay
+        reproducible)."""
         params = self.sampling_params.clone()
         params.n = 1
         if params.seed is not None:
-            params.seed = params.seed + index
+            params.seed = (params.seed + index + 2**63) % 2**64 - 2**63
         child_id = f"{index}_{self.request_id}"
         self.child_ids.append(child_id)
         return child_id, params

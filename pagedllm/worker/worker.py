@@ -40,7 +40,9 @@ class Worker:
 
     def determine_num_kv_blocks(self) -> int:
         """How many KV blocks fit: an explicit override, the CPU byte budget, or what the GPU
-        has left after the weights and a profiling forward pass."""
+        has left after the weights and a profiling forward pass. The default CPU budget is
+        capped at what the scheduler can ever hold at once (max_num_seqs requests of
+        max_model_len tokens): a small model never reserves the whole default."""
         cache = self.config.cache_config
         per_block = self.model_runner.kv_cache_bytes_per_block()
         if cache.num_gpu_blocks_override is not None:
@@ -57,8 +59,22 @@ class Worker:
                 * 4
             )
             return max(budget - act, 0) // per_block
-        memory = cache.kv_cache_memory_bytes or cache.DEFAULT_CPU_KV_CACHE_BYTES
-        return memory // per_block
+        if cache.kv_cache_memory_bytes is not None:
+            return cache.kv_cache_memory_bytes // per_block
+        sched = self.config.scheduler_config
+        # +1 block a request: speculative tokens may reach one block past max_model_len.
+        usable = sched.max_num_seqs * (-(-sched.max_model_len // cache.block_size) + 1)
+        num_blocks = min(cache.DEFAULT_CPU_KV_CACHE_BYTES // per_block, usable)
+        logger.info(
+            "KV cache: %d blocks, %.1f MiB (the default %d GiB, capped at max_num_seqs=%d "
+            "requests of max_model_len=%d tokens; --kv-cache-memory-bytes sets it)",
+            num_blocks,
+            num_blocks * per_block / 2**20,
+            cache.DEFAULT_CPU_KV_CACHE_BYTES >> 30,
+            sched.max_num_seqs,
+            sched.max_model_len,
+        )
+        return num_blocks
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)

@@ -29,7 +29,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd(args: argparse.Namespace) -> int:
-    """Resolve the model directory and run the server until it is stopped."""
+    """Resolve the model directory and run the server until it is stopped; returns the
+    exit status (non-zero after the engine died)."""
     from pagedllm.entrypoints.openai.api_server import run_server
 
     if args.model_tag and args.model and args.model_tag != args.model:
@@ -41,5 +42,4 @@ def cmd(args: argparse.Namespace) -> int:
         from pagedllm.testing.demo_model import default_demo_model_dir
 
         args.model = default_demo_model_dir()
-    run_server(args)
-    return 0
+    return run_server(args)

@@ -1,12 +1,16 @@
 """The OpenAI-compatible HTTP server: a FastAPI app around one `AsyncLLM`.
 
 `build_app(args)` makes the app; its lifespan starts the AsyncLLM (and with it the engine
-process) before uvicorn binds the port, and shuts it down when uvicorn stops (SIGTERM,
-Ctrl-C), so no engine process outlives the server. `run_server(args)` runs it with uvicorn.
+process) and shuts it down when uvicorn stops (SIGTERM, Ctrl-C), so no engine process
+outlives the server. `run_server(args)` binds the port first (a port in use fails at once,
+not after the engine has loaded), then runs the app with uvicorn on that socket.
 
-Errors are OpenAI-shaped (`{"error": {message, type, param, code}}`): 400 for invalid input,
-401 for a missing or wrong API key on `/v1/*`, 404 for an unknown model, 503 while the engine
-is dead. `python -m pagedllm.entrypoints.openai.api_server --model DIR` also runs it.
+Every error is OpenAI-shaped (`{"error": {message, type, param, code}}`, errors.py): 400 for
+invalid input and for what limits.py refuses, 401 for a missing or wrong API key on `/v1/*`,
+404 for an unknown model or route, 405, 500 for anything unexpected, 503 while the engine is
+dead. If the engine dies, in-flight requests fail with that 503 error and the server exits
+with status 1 so that a supervisor restarts it (`--keep-alive-on-engine-death` keeps it up,
+answering 503). `python -m pagedllm.entrypoints.openai.api_server --model DIR` also runs it.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import argparse
 import asyncio
 import hmac
 import logging
+import socket
 import sys
 from collections.abc import AsyncGenerator, Awaitable
 from contextlib import asynccontextmanager
@@ -22,7 +27,6 @@ from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -34,6 +38,17 @@ from pagedllm.entrypoints.openai.cli_args import (
     load_chat_template,
     log_requests_enabled,
     make_arg_parser,
+)
+from pagedllm.entrypoints.openai.errors import (
+    CatchAllMiddleware,
+    OpenAIError,
+    error_response,
+    register_error_handlers,
+)
+from pagedllm.entrypoints.openai.limits import (
+    CheckedJSONRoute,
+    RequestBodyLimitMiddleware,
+    ServerLimits,
 )
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -47,15 +62,14 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedllm.entrypoints.openai.serving_engine import OpenAIError
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
 
-
-def _error_json(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.to_response().model_dump(), status_code=error.status_code)
+# How often the lifespan's watchdog checks whether the engine died.
+_ENGINE_WATCHDOG_INTERVAL_S = 0.5
+EXIT_CODE_ENGINE_DEAD = 1
 
 
 class APIKeyMiddleware:
@@ -79,7 +93,7 @@ class APIKeyMiddleware:
                     "Unauthorized: a valid API key is required (Authorization: Bearer KEY)",
                     HTTPStatus.UNAUTHORIZED,
                 )
-                await _error_json(error)(scope, receive, send)
+                await error_response(error)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -125,7 +139,7 @@ def _register_routes(app: FastAPI) -> None:
         try:
             await raw_request.app.state.engine.check_health()
         except EngineDeadError as e:
-            return _error_json(OpenAIError.from_exception(e))
+            return error_response(OpenAIError.from_exception(e))
         return Response(status_code=200)
 
     @app.get("/version")
@@ -145,7 +159,7 @@ def _register_routes(app: FastAPI) -> None:
         """Forget every cached prefix (vLLM's endpoint, e.g. between benchmark runs); 409
         while requests still hold KV blocks."""
         if not await raw_request.app.state.engine.reset_prefix_cache():
-            return _error_json(
+            return error_response(
                 OpenAIError(
                     "the prefix cache can only be reset while no request holds KV blocks",
                     HTTPStatus.CONFLICT,
@@ -197,28 +211,6 @@ def _register_routes(app: FastAPI) -> None:
         return JSONResponse((await handler.create_detokenize(request)).model_dump())
 
 
-def _register_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(OpenAIError)
-    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return _error_json(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        parts, param = [], None
-        for err in errors[:5]:
-            loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-            if param is None and loc:
-                param = loc[0]
-            parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
-        message = "; ".join(parts) or "invalid request"
-        return _error_json(OpenAIError(message, HTTPStatus.BAD_REQUEST, param=param))
-
-    @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return _error_json(OpenAIError.from_exception(exc))
-
-
 def init_app_state(app: FastAPI, engine: AsyncLLM, args: argparse.Namespace) -> None:
     """Attach the engine and the endpoint handlers to `app.state`."""
     mc = engine.model_config
@@ -229,16 +221,43 @@ def init_app_state(app: FastAPI, engine: AsyncLLM, args: argparse.Namespace) -> 
     state.model_path = mc.model
     state.max_model_len = mc.max_model_len
     state.chat_template = load_chat_template(getattr(args, "chat_template", None))
-    state.serving_completion = OpenAIServingCompletion(engine, names)
+    limits = ServerLimits.resolve(args, engine.tokenizer, mc.max_model_len)
+    logger.info(
+        "Request limits: body %d bytes, prompt %d characters, n <= %d",
+        limits.max_request_body_bytes,
+        limits.max_prompt_chars,
+        limits.max_n_sequences,
+    )
+    state.serving_completion = OpenAIServingCompletion(engine, names, limits)
     state.serving_chat = OpenAIServingChat(
         engine,
         names,
+        limits,
         enable_auto_tools=getattr(args, "enable_auto_tool_choice", False),
         tool_call_parser=getattr(args, "tool_call_parser", None),
         reasoning_parser=engine.config.structured_outputs_config.reasoning_parser,
     )
     state.serving_responses = OpenAIServingResponses(state.serving_chat, state.chat_template)
-    state.serving_tokenization = OpenAIServingTokenization(engine, names)
+    state.serving_tokenization = OpenAIServingTokenization(engine, names, limits)
+
+
+async def _engine_watchdog(app: FastAPI, engine: AsyncLLM, keep_alive: bool) -> None:
+    """Once the engine is dead (its in-flight requests have failed with 503 by then), ask
+    uvicorn to exit (`app.state.request_shutdown`, set by `run_server`) unless `keep_alive`."""
+    while not engine.errored:
+        await asyncio.sleep(_ENGINE_WATCHDOG_INTERVAL_S)
+    if keep_alive:
+        logger.error("The engine is dead; serving 503s (--keep-alive-on-engine-death)")
+        return
+    logger.error(
+        "The engine is dead; the server exits with status %d so that it can be restarted "
+        "(--keep-alive-on-engine-death keeps it up)",
+        EXIT_CODE_ENGINE_DEAD,
+    )
+    app.state.engine_dead_exit = True
+    request_shutdown = getattr(app.state, "request_shutdown", None)
+    if request_shutdown is not None:
+        request_shutdown()
 
 
 def build_app(args: argparse.Namespace, engine: AsyncLLM | None = None) -> FastAPI:
@@ -257,20 +276,29 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM | None = None) -> FastA
             )
         else:
             the_engine = engine
+        watchdog = None
         try:
             init_app_state(app, the_engine, args)
+            keep_alive = bool(getattr(args, "keep_alive_on_engine_death", False))
+            watchdog = asyncio.create_task(_engine_watchdog(app, the_engine, keep_alive))
             yield
         finally:
+            if watchdog is not None:
+                watchdog.cancel()
             if owned:
                 logger.info("Shutting down the engine")
                 the_engine.shutdown()
 
     app = FastAPI(lifespan=lifespan, root_path=getattr(args, "root_path", None) or "")
+    app.router.route_class = CheckedJSONRoute
     _register_routes(app)
-    _register_error_handlers(app)
+    register_error_handlers(app)
     if getattr(args, "api_key", None):
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
-    # Added last, so outermost: CORS headers reach the browser on errors (401 too).
+    max_body = ServerLimits.from_args(args).max_request_body_bytes  # bad flags: fail now
+    app.add_middleware(RequestBodyLimitMiddleware, max_bytes=max_body)
+    app.add_middleware(CatchAllMiddleware)
+    # Added last, so outermost: CORS headers reach the browser on errors (401, 500 too).
     app.add_middleware(
         CORSMiddleware,
         allow_origins=getattr(args, "allowed_origins", ["*"]),
@@ -281,10 +309,29 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM | None = None) -> FastA
     return app
 
 
-def run_server(args: argparse.Namespace) -> None:
-    """Serve until SIGTERM / Ctrl-C; the engine process is stopped before this returns."""
+def create_server_socket(host: str | None, port: int) -> socket.socket:
+    """A socket bound to (host, port), not yet listening (uvicorn listens once the engine is
+    ready). Raises ValueError naming the address if it cannot be bound (a port in use)."""
+    host = host or "0.0.0.0"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(
+            f"cannot listen on {host}:{port}: {e.strerror or e} (pick another --port)"
+        ) from e
+    return sock
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM / Ctrl-C, or until the engine dies; the engine process is stopped
+    before this returns the exit status (EXIT_CODE_ENGINE_DEAD after an engine death)."""
     import uvicorn
 
+    sock = create_server_socket(args.host, args.port)
     app = build_app(args)
     config = uvicorn.Config(
         app,
@@ -296,7 +343,13 @@ def run_server(args: argparse.Namespace) -> None:
         timeout_graceful_shutdown=args.timeout_graceful_shutdown,
     )
     logger.info("Starting the OpenAI-compatible server on %s:%d", config.host, args.port)
-    uvicorn.Server(config).run()
+    server = uvicorn.Server(config)
+    app.state.request_shutdown = lambda: setattr(server, "should_exit", True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    return EXIT_CODE_ENGINE_DEAD if getattr(app.state, "engine_dead_exit", False) else 0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -307,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", required=True, help="Local checkpoint directory.")
     make_arg_parser(parser)
     argv = expand_config_file(parser, list(sys.argv[1:] if argv is None else argv))
-    run_server(parser.parse_args(argv))
+    raise SystemExit(run_server(parser.parse_args(argv)))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ from typing import Any
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
+# vLLM's VLLM_MAX_N_SEQUENCES and VLLM_KEEP_ALIVE_ON_ENGINE_DEATH.
+MAX_N_SEQUENCES_ENV = "PAGEDLLM_MAX_N_SEQUENCES"
+KEEP_ALIVE_ENV = "PAGEDLLM_KEEP_ALIVE_ON_ENGINE_DEATH"
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +87,7 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=sorted(TOOL_PARSERS),
         help='How the model writes tool calls, read for tool_choice "auto".',
     )
+    add_limit_args(group)
     group.add_argument("--ssl-keyfile", type=str, default=None, help="TLS key file.")
     group.add_argument("--ssl-certfile", type=str, default=None, help="TLS certificate file.")
     group.add_argument("--root-path", type=str, default=None, help="ASGI root path (proxies).")
@@ -95,6 +99,45 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     EngineArgs.add_cli_args(parser)
     return parser
+
+
+def add_limit_args(group: argparse._ArgumentGroup) -> None:
+    """Request limits (limits.py) and what the server does when its engine dies."""
+    from pagedllm.config import env_flag
+    from pagedllm.entrypoints.openai.limits import (
+        DEFAULT_MAX_N_SEQUENCES,
+        DEFAULT_MAX_REQUEST_BODY_BYTES,
+    )
+
+    group.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="Refuse (400) a request body larger than this, before parsing it.",
+    )
+    group.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=None,
+        help="Refuse (400) a prompt (or rendered chat) longer than this many characters "
+        "before tokenizing it (default: max_model_len times the longest vocabulary entry, "
+        "beyond which a prompt cannot fit).",
+    )
+    group.add_argument(
+        "--max-n-sequences",
+        type=int,
+        default=int(os.environ.get(MAX_N_SEQUENCES_ENV, DEFAULT_MAX_N_SEQUENCES)),
+        help=f"Largest `n` a request may ask for (default: ${MAX_N_SEQUENCES_ENV} or "
+        f"{DEFAULT_MAX_N_SEQUENCES}, OpenAI's limit).",
+    )
+    group.add_argument(
+        "--keep-alive-on-engine-death",
+        action="store_true",
+        default=env_flag(KEEP_ALIVE_ENV, False),
+        help="If the engine dies, keep serving (503 to every request) instead of failing "
+        f"in-flight requests and exiting with status 1 for a supervisor to restart the "
+        f"server (default: ${KEEP_ALIVE_ENV}, else off).",
+    )
 
 
 def load_chat_template(value: str | None) -> str | None:

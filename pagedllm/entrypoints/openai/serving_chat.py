@@ -11,6 +11,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 from pagedllm.entrypoints.openai.chat_output import ChatOutputParser
+from pagedllm.entrypoints.openai.limits import ServerLimits
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -75,12 +76,13 @@ class OpenAIServingChat(OpenAIServing):
         self,
         engine: Any,
         served_model_names: list[str],
+        limits: ServerLimits | None = None,
         *,
         enable_auto_tools: bool = False,
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
     ) -> None:
-        super().__init__(engine, served_model_names)
+        super().__init__(engine, served_model_names, limits)
         self.auto_tool_parser: ToolParser | None = None
         if enable_auto_tools:
             if tool_call_parser is None:
@@ -164,12 +166,9 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as e:  # jinja2 errors from a user-supplied template
             raise OpenAIError(f"chat template failed: {type(e).__name__}: {e}") from e
 
-    def start_chat(
-        self, request: ChatCompletionRequest, request_id: str
-    ) -> tuple[AsyncGenerator[RequestOutput, None], list[int], list[ChatOutputParser]]:
-        """Render, tokenize and submit a chat request (400s before anything runs): returns
-        the engine's output generator, the prompt token ids and one output parser per
-        choice. The Responses API shares it."""
+    def _prepare_chat(self, request: ChatCompletionRequest) -> tuple[dict[str, Any], Any]:
+        """Blocking (run on the tokenizer thread): the engine prompt, rendered and tokenized
+        within the limits, and the request's tool parser."""
         tool_parser = self.request_tool_parser(request)
         prompt_text = self.render_messages(
             request.messages,
@@ -180,11 +179,19 @@ class OpenAIServingChat(OpenAIServing):
             request.tools,
             request.documents,
         )
-        ids = self.tokenize_text(prompt_text, add_special_tokens=request.add_special_tokens)
-        engine_prompt = self.engine_prompt(prompt_text, ids, request)
+        ids = self.tokenize_text(prompt_text, request.add_special_tokens, "messages")
+        return self.engine_prompt(prompt_text, ids, request), tool_parser
+
+    async def start_chat(
+        self, request: ChatCompletionRequest, request_id: str
+    ) -> tuple[AsyncGenerator[RequestOutput, None], list[int], list[ChatOutputParser]]:
+        """Render, tokenize (on the tokenizer thread) and submit a chat request (400s before
+        anything runs): returns the engine's output generator, the prompt token ids and one
+        output parser per choice. The Responses API shares it."""
+        engine_prompt, tool_parser = await self.in_tokenizer_thread(self._prepare_chat, request)
         ids = engine_prompt["prompt_token_ids"]
         max_tokens = self.resolve_max_tokens(len(ids), request.requested_max_tokens, "messages")
-        generator = self.generate(request_id, engine_prompt, request, max_tokens)
+        generator = await self.generate(request_id, engine_prompt, request, max_tokens)
         return generator, ids, self.output_parsers(request, ids, tool_parser)
 
     async def create_chat_completion(
@@ -194,7 +201,7 @@ class OpenAIServingChat(OpenAIServing):
         check_fields(request)
         request_id = f"chatcmpl-{request.request_id or request_id or random_uuid()}"
         created = int(time.time())
-        generator, ids, parsers = self.start_chat(request, request_id)
+        generator, ids, parsers = await self.start_chat(request, request_id)
         echo = _echoed_content(request)
         if request.stream:
             return self._stream(request, request_id, created, len(ids), generator, parsers, echo)

@@ -64,14 +64,17 @@ class OpenAIServingCompletion(OpenAIServing):
         created = int(time.time())
         prompts = []
         generators = []
-        for i, (text, ids) in enumerate(self._prompts(request.prompt, request.add_special_tokens)):
+        tokenized = await self.in_tokenizer_thread(
+            self._prompts, request.prompt, request.add_special_tokens
+        )
+        for i, (text, ids) in enumerate(tokenized):
             # echo with max_tokens=0 scores the prompt: one token is generated, not returned.
             requested = 1 if request.echo_only else request.max_tokens
             max_tokens = self.resolve_max_tokens(len(ids), requested, "prompt")
             engine_prompt = self.engine_prompt(text, ids, request)
             prompts.append((engine_prompt["prompt"], engine_prompt["prompt_token_ids"]))
             generators.append(
-                self.generate(f"{request_id}-{i}", engine_prompt, request, max_tokens)
+                await self.generate(f"{request_id}-{i}", engine_prompt, request, max_tokens)
             )
         results = merge_async_iterators(*generators)
         if request.stream:

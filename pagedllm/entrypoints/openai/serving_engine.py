@@ -1,28 +1,29 @@
-"""What every OpenAI endpoint shares: model-name checks, prompt tokenization and length
-limits, OpenAI-shaped errors, logprob formatting and merging several generators.
+"""What every OpenAI endpoint shares: model-name checks, prompt tokenization (on the
+engine's tokenizer thread) and length limits, logprob formatting and merging several
+generators.
 
-Handlers raise `OpenAIError`; the app turns it into `{"error": {message, type, param, code}}`
-with the right HTTP status. Inside a stream that already started, the same body is sent as a
-`data:` event instead.
+Handlers raise `OpenAIError` (errors.py); the app turns it into `{"error": {message, type,
+param, code}}` with the right HTTP status. Inside a stream that already started, the same body
+is sent as a `data:` event instead.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from http import HTTPStatus
-from typing import Any
+from typing import Any, TypeVar
 
+from pagedllm.engine import EngineCoreRequest
 from pagedllm.engine.async_llm import AsyncLLM
-from pagedllm.engine.exceptions import EngineDeadError
+from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.entrypoints.openai.limits import ServerLimits
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
     ChatCompletionLogProbsContent,
     CompletionLogProbs,
-    ErrorInfo,
-    ErrorResponse,
     UsageInfo,
 )
 from pagedllm.outputs import Logprob, RequestOutput
@@ -30,59 +31,27 @@ from pagedllm.sampling_params import BeamSearchParams
 
 logger = logging.getLogger(__name__)
 
-_ERROR_TYPES = {
-    HTTPStatus.BAD_REQUEST: "BadRequestError",
-    HTTPStatus.UNAUTHORIZED: "AuthenticationError",
-    HTTPStatus.NOT_FOUND: "NotFoundError",
-    HTTPStatus.CONFLICT: "ConflictError",
-    HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
-    HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
-}
-
-
-class OpenAIError(Exception):
-    """An error answered in OpenAI's shape with HTTP status `status_code`."""
-
-    def __init__(
-        self,
-        message: str,
-        status_code: int = HTTPStatus.BAD_REQUEST,
-        param: str | None = None,
-        err_type: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status_code = int(status_code)
-        self.param = param
-        self.err_type = err_type or _ERROR_TYPES.get(HTTPStatus(self.status_code), "Error")
-
-    def to_response(self) -> ErrorResponse:
-        return ErrorResponse(
-            error=ErrorInfo(
-                message=self.message, type=self.err_type, param=self.param, code=self.status_code
-            )
-        )
-
-    @classmethod
-    def from_exception(cls, e: BaseException) -> OpenAIError:
-        """ValueError -> 400, dead engine -> 503, anything else -> 500."""
-        if isinstance(e, OpenAIError):
-            return e
-        if isinstance(e, ValueError):
-            return cls(str(e), HTTPStatus.BAD_REQUEST)
-        if isinstance(e, EngineDeadError):
-            return cls(str(e), HTTPStatus.SERVICE_UNAVAILABLE)
-        return cls(f"{type(e).__name__}: {e}", HTTPStatus.INTERNAL_SERVER_ERROR)
+T = TypeVar("T")
 
 
 class OpenAIServing:
-    """Base of the endpoint handlers; holds the engine and the names it is served under."""
+    """Base of the endpoint handlers; holds the engine, the names it is served under and the
+    server's limits (default: resolved for the engine's model with the default flags).
 
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
+    Tokenizing, rendering chat templates and processing requests are blocking: handlers run
+    them through `in_tokenizer_thread`, never on the event loop."""
+
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        served_model_names: list[str],
+        limits: ServerLimits | None = None,
+    ) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.served_model_names = served_model_names
         self.max_model_len = engine.model_config.max_model_len
+        self.limits = limits or ServerLimits.resolve(None, self.tokenizer, self.max_model_len)
         # Defaults of unset request fields (max_tokens is resolved per request instead).
         self.default_sampling = engine.model_config.get_diff_sampling_param()
 
@@ -99,9 +68,18 @@ class OpenAIServing:
         if self.engine.errored:
             raise OpenAIError(str(self.engine.dead_error), HTTPStatus.SERVICE_UNAVAILABLE)
 
-    def tokenize_text(self, text: str, add_special_tokens: bool) -> list[int]:
+    async def in_tokenizer_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the engine's tokenizer thread (one thread: calls are serialized)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.engine.tokenizer_executor, fn, *args)
+
+    def tokenize_text(
+        self, text: str, add_special_tokens: bool, field: str = "prompt"
+    ) -> list[int]:
+        """Blocking. 400 for an empty text or one over `--max-prompt-chars`."""
         if not isinstance(text, str) or text == "":
-            raise OpenAIError("prompt must be a non-empty string", param="prompt")
+            raise OpenAIError(f"{field} must be a non-empty string", param=field)
+        self.limits.check_prompt_chars(text, field)
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     def resolve_max_tokens(self, prompt_len: int, requested: int | None, what: str) -> int:
@@ -138,12 +116,12 @@ class OpenAIServing:
             prompt["cache_salt"] = request.cache_salt
         return prompt
 
-    def generate(
+    def validate(
         self, request_id: str, prompt: dict[str, Any], request: Any, max_tokens: int
-    ) -> AsyncGenerator[RequestOutput, None]:
-        """Validate now (bad input is a 400 before a stream starts) and return the engine's
-        output stream: sampling, or with `use_beam_search` a beam search whose best `n`
-        beams are the choices."""
+    ) -> tuple[Any, tuple[str | None, EngineCoreRequest]]:
+        """Blocking (the tokenizer thread): the request's sampling or beam-search params and
+        the engine's processed input, or a 400 naming what is wrong."""
+        self.limits.check_n(request.n)
         try:
             if getattr(request, "use_beam_search", False):
                 params: Any = request.to_beam_search_params(max_tokens, self.default_sampling)
@@ -154,6 +132,17 @@ class OpenAIServing:
             )
         except ValueError as e:
             raise OpenAIError(str(e)) from e
+        return params, processed
+
+    async def generate(
+        self, request_id: str, prompt: dict[str, Any], request: Any, max_tokens: int
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Validate now, on the tokenizer thread (bad input is a 400 before a stream starts),
+        and return the engine's output stream: sampling, or with `use_beam_search` a beam
+        search whose best `n` beams are the choices."""
+        params, processed = await self.in_tokenizer_thread(
+            self.validate, request_id, prompt, request, max_tokens
+        )
         if self.engine.log_requests:
             logger.info(
                 "Received request %s: prompt_tokens=%d, user=%s, params=%s",

@@ -48,7 +48,7 @@ class OpenAIServingResponses:
         except ValueError as e:
             raise OpenAIError(str(e)) from e
         response_id = f"resp_{request.request_id or request_id or random_uuid()}"
-        generator, prompt_ids, parsers = self.chat.start_chat(chat_request, response_id)
+        generator, prompt_ids, parsers = await self.chat.start_chat(chat_request, response_id)
         base = _base_response(request, response_id, self.chat.model_name)
         if request.stream:
             return _ResponseStream(self, base, generator, parsers[0], len(prompt_ids)).events()

@@ -1,5 +1,5 @@
-"""`POST /tokenize` and `POST /detokenize` (vLLM's extra endpoints), with the same tokenizer
-and chat template the generation endpoints use."""
+"""`POST /tokenize` and `POST /detokenize` (vLLM's extra endpoints), with the same tokenizer,
+chat template, tokenizer thread and limits the generation endpoints use."""
 
 from __future__ import annotations
 
@@ -23,7 +23,16 @@ class OpenAIServingTokenization(OpenAIServingChat):
     ) -> TokenizeResponse:
         self.check_request(request.model)
         check_fields(request)
+        ids, token_strs = await self.in_tokenizer_thread(self._tokenize, request)
+        return TokenizeResponse(
+            count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=token_strs
+        )
+
+    def _tokenize(
+        self, request: TokenizeCompletionRequest | TokenizeChatRequest
+    ) -> tuple[list[int], list[str] | None]:
         if isinstance(request, TokenizeChatRequest):
+            field = "messages"
             text = self.render_messages(
                 request.messages,
                 request.add_generation_prompt,
@@ -33,14 +42,12 @@ class OpenAIServingTokenization(OpenAIServingChat):
                 request.tools,
             )
         else:
-            text = request.prompt
-        ids = self.tokenize_text(text, add_special_tokens=request.add_special_tokens)
+            field, text = "prompt", request.prompt
+        ids = self.tokenize_text(text, request.add_special_tokens, field)
         token_strs = None
         if request.return_token_strs:
             token_strs = self.tokenizer.convert_ids_to_tokens(ids)
-        return TokenizeResponse(
-            count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=token_strs
-        )
+        return ids, token_strs
 
     async def create_detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         self.check_request(request.model)
@@ -51,4 +58,5 @@ class OpenAIServingTokenization(OpenAIServingChat):
             raise OpenAIError(
                 f"token ids out of the vocabulary (0..{vocab - 1}): {bad[:10]}", param="tokens"
             )
-        return DetokenizeResponse(prompt=self.tokenizer.decode(request.tokens))
+        text = await self.in_tokenizer_thread(self.tokenizer.decode, request.tokens)
+        return DetokenizeResponse(prompt=text)
