@@ -1,45 +1,71 @@
-"""Server and engine-process lifetime: a killed engine makes the server answer 503 at once
-(health and requests), and SIGTERM to the server leaves no process behind."""
+"""Server and engine-process lifetime: a killed engine fails in-flight requests at once and
+the server exits non-zero (or, with --keep-alive-on-engine-death, answers 503 and stops
+logging stale stats); SIGTERM leaves no process behind; a port in use fails before the engine
+loads."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 
 import httpx
 
-from tests.entrypoints.conftest import RemoteServer, child_pids, pid_alive
+from tests.entrypoints.conftest import REPO_ROOT, RemoteServer, child_pids, free_port, pid_alive
 
 ARGS = ["--dtype", "float32", "--max-model-len", "128", "--kv-cache-memory", str(2 << 20)]
+STATS_LINE = "Avg prompt throughput"
 
 
-def test_engine_death_then_sigterm(tiny_llama_dir):
+def _kill_engine_during_a_stream(server) -> list[int]:
+    """Kill the engine while a stream runs; the stream must end with an error event and
+    [DONE] at once. Returns the killed engine pids."""
+    body = {"prompt": "hello", "max_tokens": 2}
+    assert httpx.post(f"{server.url}/v1/completions", json=body).status_code == 200
+    engines = child_pids(server.proc.pid)
+    assert engines, "no engine process found"
+    stream_body = {**body, "max_tokens": 100, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=stream_body, timeout=30) as r:
+        lines = r.iter_lines()
+        next(lines)
+        for pid in engines:
+            os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        rest = [line for line in lines if line]
+    assert time.monotonic() - t0 < 5
+    assert any('"error"' in line for line in rest) and rest[-1] == "data: [DONE]"
+    return engines
+
+
+def test_engine_death_exits_the_server(tiny_llama_dir):
     with RemoteServer(tiny_llama_dir, ARGS) as server:
-        body = {"prompt": "hello", "max_tokens": 2}
-        assert httpx.post(f"{server.url}/v1/completions", json=body).status_code == 200
-        engines = child_pids(server.proc.pid)
-        assert engines, "no engine process found"
-        # An in-flight stream must end with an error event instead of hanging.
-        stream_body = {**body, "max_tokens": 100, "stream": True, "ignore_eos": True}
-        with httpx.stream(
-            "POST", f"{server.url}/v1/completions", json=stream_body, timeout=30
-        ) as r:
-            lines = r.iter_lines()
-            next(lines)
-            for pid in engines:
-                os.kill(pid, signal.SIGKILL)
-            t0 = time.monotonic()
-            rest = [line for line in lines if line]
-        assert time.monotonic() - t0 < 5
-        assert any('"error"' in line for line in rest) and rest[-1] == "data: [DONE]"
+        engines = _kill_engine_during_a_stream(server)
+        assert server.proc.wait(timeout=60) == 1, server.logs()
+        assert "the server exits with status 1" in server.logs()
+        assert not any(pid_alive(p) for p in engines)
+
+
+def test_engine_death_keep_alive_then_sigterm(tiny_llama_dir):
+    args = [*ARGS, "--keep-alive-on-engine-death"]
+    with RemoteServer(tiny_llama_dir, args) as server:
+        engines = _kill_engine_during_a_stream(server)
+        stats_lines = server.logs().count(STATS_LINE)
 
         t0 = time.monotonic()
         health = httpx.get(f"{server.url}/health", timeout=10)
         assert health.status_code == 503
+        body = {"prompt": "hello", "max_tokens": 2}
         r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=10)
         assert r.status_code == 503 and r.json()["error"]["code"] == 503
         assert time.monotonic() - t0 < 5
+
+        # No stale stats after the death (the fixture logs them every 2 s).
+        time.sleep(5)
+        assert server.logs().count(STATS_LINE) == stats_lines, server.logs()
+        assert server.proc.poll() is None  # still up
 
         server.proc.send_signal(signal.SIGTERM)
         server.proc.wait(timeout=30)
@@ -57,3 +83,17 @@ def test_sigterm_stops_server_and_engine(tiny_llama_dir):
         while any(pid_alive(p) for p in engines):
             assert time.monotonic() < deadline, "engine process outlived the server"
             time.sleep(0.1)
+
+
+def test_port_in_use_fails_before_the_engine_loads(tiny_llama_dir):
+    port = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", tiny_llama_dir]
+        cmd += ["--host", "127.0.0.1", "--port", str(port), *ARGS]
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr, done.stderr
+    assert "EngineCore" not in done.stdout + done.stderr  # failed before starting it

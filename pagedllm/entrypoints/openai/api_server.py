@@ -221,7 +221,7 @@ def init_app_state(app: FastAPI, engine: AsyncLLM, args: argparse.Namespace) -> 
     state.model_path = mc.model
     state.max_model_len = mc.max_model_len
     state.chat_template = load_chat_template(getattr(args, "chat_template", None))
-    limits = ServerLimits.resolve(args, engine.tokenizer, mc.max_model_len)
+    limits = ServerLimits.from_args(args).for_model(engine.tokenizer, mc.max_model_len)
     logger.info(
         "Request limits: body %d bytes, prompt %d characters, n <= %d",
         limits.max_request_body_bytes,

@@ -187,8 +187,7 @@ class CatchAllMiddleware:
             if started:
                 return
             error = OpenAIError(
-                f"Internal server error (request id {request_id}); the server log has the "
-                "details",
+                f"Internal server error (request id {request_id}); the server log has the details",
                 HTTPStatus.INTERNAL_SERVER_ERROR,
             )
             await error_response(error)(scope, receive, send)

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 from collections.abc import Callable, Coroutine
@@ -53,28 +54,36 @@ class ServerLimits:
     prompt_chars_reason: str = "--max-prompt-chars"
 
     @classmethod
-    def resolve(cls, args: Any, tokenizer: Any, max_model_len: int) -> ServerLimits:
-        """The limits from the server flags in `args` (None: defaults). An unset
-        `--max-prompt-chars` is max_model_len times the longest token's characters."""
-        chars = getattr(args, "max_prompt_chars", None)
-        reason = "--max-prompt-chars"
-        if chars is None:
-            longest = longest_token_chars(tokenizer)
-            chars = max_model_len * longest
-            reason = (
+    def from_args(cls, args: Any) -> ServerLimits:
+        """The limits the server flags in `args` set (None or a flag not given: defaults);
+        an unset `--max-prompt-chars` stays None until `for_model`."""
+
+        def flag(name: str, default: int | None) -> int | None:
+            value = getattr(args, name, None)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')}={value} must be at least 1")
+            return default if value is None else value
+
+        return cls(
+            max_request_body_bytes=flag("max_request_body_bytes", DEFAULT_MAX_REQUEST_BODY_BYTES),
+            max_prompt_chars=flag("max_prompt_chars", None),
+            max_n_sequences=flag("max_n_sequences", DEFAULT_MAX_N_SEQUENCES),
+        )
+
+    def for_model(self, tokenizer: Any, max_model_len: int) -> ServerLimits:
+        """These limits with an unset `max_prompt_chars` made max_model_len times the longest
+        token's characters."""
+        if self.max_prompt_chars is not None:
+            return self
+        longest = longest_token_chars(tokenizer)
+        return dataclasses.replace(
+            self,
+            max_prompt_chars=max_model_len * longest,
+            prompt_chars_reason=(
                 f"a longer prompt cannot fit in max_model_len={max_model_len} tokens of at "
                 f"most {longest} characters; --max-prompt-chars"
-            )
-        body = getattr(args, "max_request_body_bytes", None) or DEFAULT_MAX_REQUEST_BODY_BYTES
-        n = getattr(args, "max_n_sequences", None) or DEFAULT_MAX_N_SEQUENCES
-        for flag, value in (
-            ("--max-request-body-bytes", body),
-            ("--max-prompt-chars", chars),
-            ("--max-n-sequences", n),
-        ):
-            if value < 1:
-                raise ValueError(f"{flag}={value} must be at least 1")
-        return cls(body, chars, n, reason)
+            ),
+        )
 
     def check_prompt_chars(self, text: str, field: str) -> None:
         """400 before tokenizing a text longer than `max_prompt_chars`."""
@@ -203,8 +212,7 @@ def parse_json_body(body: bytes) -> Any:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
         raise OpenAIError(
-            f"the request body is not valid UTF-8 (byte 0x{body[e.start]:02x} at offset "
-            f"{e.start})"
+            f"the request body is not valid UTF-8 (byte 0x{body[e.start]:02x} at offset {e.start})"
         ) from None
     try:
         value = json.loads(text)

@@ -51,7 +51,7 @@ class OpenAIServing:
         self.tokenizer = engine.tokenizer
         self.served_model_names = served_model_names
         self.max_model_len = engine.model_config.max_model_len
-        self.limits = limits or ServerLimits.resolve(None, self.tokenizer, self.max_model_len)
+        self.limits = (limits or ServerLimits()).for_model(self.tokenizer, self.max_model_len)
         # Defaults of unset request fields (max_tokens is resolved per request instead).
         self.default_sampling = engine.model_config.get_diff_sampling_param()
 
