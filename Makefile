@@ -6,7 +6,7 @@ DEMO    ?= .demo-model
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 
-.PHONY: venv test generate serve demo-model lint clean
+.PHONY: venv test fuzz generate serve demo-model lint clean
 
 # torch==2.13.0 goes in first (a local CPU wheel here); installing the project afterwards
 # then finds torch satisfied and never pulls a CUDA build.
@@ -22,6 +22,13 @@ venv: $(VENV)/.installed
 
 test: venv
 	$(VPY) -m pytest -q -m "not gpu" tests
+
+# A longer schemathesis fuzz of the server's OpenAPI schema than the suite's (examples per
+# operation and mode; the suite runs 25).
+FUZZ_EXAMPLES ?= 500
+fuzz: venv
+	PAGEDLLM_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(VPY) -m pytest -q \
+		tests/entrypoints/test_server_hardening.py -k fuzz
 
 $(DEMO)/config.json: | venv
 	$(VENV)/bin/pagedllm make-demo-model $(DEMO)
