@@ -3,7 +3,7 @@
 - `ServerLimits`: the configurable limits (`--max-request-body-bytes`, `--max-prompt-chars`,
   `--max-n-sequences`) resolved for one model, with the checks the handlers call.
 - `RequestBodyLimitMiddleware`: a body over the limit is refused from its Content-Length, or
-  as soon as the streamed body passes it, before any of it is parsed.
+  once the streamed body passes it, before any of it is parsed.
 - `CheckedJSONRoute`: the app's route class. A JSON body must be UTF-8; once parsed it is
   walked (off the event loop) for what pydantic lets through but the engine cannot take:
   lone UTF-16 surrogates in strings, integers that do not fit in 64 bits, non-finite numbers
@@ -104,39 +104,53 @@ class ServerLimits:
 
 
 class RequestBodyLimitMiddleware:
-    """Pure ASGI: refuses a body over `max_bytes` (400) before it is parsed."""
+    """Pure ASGI: reads the whole body before the app runs and refuses one over `max_bytes`
+    (400) before any of it is parsed; the app then gets the body in one message.
+
+    A body found too large (from its Content-Length, or once the stream passes the limit) is
+    still read, and dropped, for up to `max_bytes` more bytes, so that the client gets to
+    read the answer instead of a connection reset; past that the connection is closed."""
 
     def __init__(self, app: Any, max_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
 
-    def _too_large(self, size: str) -> OpenAIError:
-        return OpenAIError(
-            f"the request body is {size} bytes, more than this server takes "
-            f"({self.max_bytes}; --max-request-body-bytes)"
-        )
-
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        length = dict(scope.get("headers") or []).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await error_response(self._too_large(length.decode()))(scope, receive, send)
-            return
-        received = 0
-
-        async def receive_limited() -> dict:
-            nonlocal received
+        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        declared = int(length) if length.isdigit() else None
+        chunks: list[bytes] = []
+        received, more = 0, True
+        while more and received <= 2 * self.max_bytes:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    # Raised inside the body read: the app answers it (errors.py).
-                    raise self._too_large(f"over {received - 1}")
-            return message
+            if message["type"] == "http.disconnect":
+                return  # the client left before it sent its request
+            body = message.get("body", b"")
+            more = message.get("more_body", False)
+            received += len(body)
+            if received <= self.max_bytes and (declared or 0) <= self.max_bytes:
+                chunks.append(body)
+        if received > self.max_bytes or (declared or 0) > self.max_bytes:
+            size = declared if declared is not None else f"over {self.max_bytes}"
+            error = OpenAIError(
+                f"the request body is {size} bytes, more than this server takes "
+                f"({self.max_bytes}; --max-request-body-bytes)"
+            )
+            headers = {"Connection": "close"} if more else None
+            await error_response(error, headers)(scope, receive, send)
+            return
+        replayed = False
 
-        await self.app(scope, receive_limited, send)
+        async def replay() -> dict:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # a disconnect, for handlers that watch for one
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self.app(scope, replay, send)
 
 
 def _field(path: tuple) -> str:
