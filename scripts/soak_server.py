@@ -42,12 +42,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rss_mib(pid: int) -> float:
+def rss_mib(pid: int) -> dict[str, float]:
+    """Resident memory of `pid` in MiB: all of it, and its anonymous part (heap, tensors;
+    file-backed pages such as shared libraries come and go with the page cache)."""
+    fields = {}
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon"):
+                fields[key] = round(int(value.split()[0]) / 1024, 1)
+    return {"rss": fields["VmRSS"], "anon": fields["RssAnon"]}
 
 
 def engine_pid(server_pid: int) -> int:
@@ -101,7 +105,12 @@ class Server:
         return gauges
 
     def memory(self) -> dict[str, float]:
-        return {"api_rss_mib": rss_mib(self.proc.pid), "engine_rss_mib": rss_mib(self.engine_pid)}
+        api, engine = rss_mib(self.proc.pid), rss_mib(self.engine_pid)
+        return {
+            f"{who}_{k}_mib": v
+            for who, m in (("api", api), ("engine", engine))
+            for k, v in m.items()
+        }
 
     def stop(self) -> int:
         if self.proc.poll() is None:
