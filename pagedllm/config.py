@@ -8,7 +8,8 @@ re-read `config.json`.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+import uuid
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -220,6 +221,76 @@ class DeviceConfig:
         return torch.device(self.device)
 
 
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass
+class KVTransferConfig:
+    """Where KV blocks go beyond this engine (vLLM's `--kv-transfer-config`): the connector
+    named `kv_connector` (see `pagedllm.distributed.kv_transfer.factory`), this engine's role,
+    and the connector's own options in `kv_connector_extra_config`.
+
+    `kv_role`: kv_producer (saves / serves KV), kv_consumer (loads KV), kv_both. `engine_id`
+    names this engine to its peers (a fresh uuid by default, so a restarted peer is never
+    mistaken for the old one). `kv_ip` / `kv_port` is where a network connector listens
+    (port 0: a free one). `kv_connector_module_path` imports `kv_connector` from that module
+    instead of the built-in ones. `kv_load_failure_policy`: what a failed load does;
+    "recompute" (the only policy) computes the missing tokens locally.
+    """
+
+    kv_connector: str | None = None
+    kv_role: str = "kv_both"
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    engine_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 0
+    kv_connector_module_path: str | None = None
+    kv_load_failure_policy: str = "recompute"
+
+    def __post_init__(self) -> None:
+        if not self.kv_connector or not isinstance(self.kv_connector, str):
+            raise ValueError(
+                f"kv_transfer_config.kv_connector={self.kv_connector!r} must name a connector"
+            )
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(
+                f"kv_transfer_config.kv_role={self.kv_role!r} must be one of {list(KV_ROLES)}"
+            )
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise ValueError(
+                "kv_transfer_config.kv_connector_extra_config must be a JSON object, got "
+                f"{self.kv_connector_extra_config!r}"
+            )
+        if not isinstance(self.kv_port, int) or not 0 <= self.kv_port <= 65535:
+            raise ValueError(f"kv_transfer_config.kv_port={self.kv_port!r} must be in 0..65535")
+        if self.kv_load_failure_policy != "recompute":
+            raise ValueError(
+                f"kv_transfer_config.kv_load_failure_policy={self.kv_load_failure_policy!r} "
+                "is not supported; only 'recompute' (compute the missing tokens locally) is"
+            )
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> KVTransferConfig:
+        """Build from vLLM's JSON shape; an unknown key is a ValueError naming it."""
+        if not isinstance(values, dict):
+            raise ValueError(f"kv_transfer_config must be a JSON object, got {values!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"kv_transfer_config has unknown key(s) {unknown}; valid keys are {sorted(known)}"
+            )
+        return cls(**{k: v for k, v in values.items() if v is not None or k == "kv_connector"})
+
+    @property
+    def is_kv_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_kv_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+
 @dataclass
 class StructuredOutputsConfig:
     """Structured outputs in the engine core. With a `reasoning_parser` (vLLM's
@@ -241,6 +312,7 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = field(
         default_factory=StructuredOutputsConfig
     )
+    kv_transfer_config: KVTransferConfig | None = None
     # Later features hang their own sub-config here (speculative, structured outputs, kv transfer).
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # Logprobs as vLLM returns them: per position, {token_id: Logprob}.
 SampleLogprobs = list[dict[int, "Logprob"]]
@@ -32,6 +33,24 @@ BeamCandidates = tuple[list[int], list[float], list[int]]
 
 
 @dataclass
+class KVConnectorOutput:
+    """What the worker side of a KV connector reports after a step (vLLM's shape).
+
+    `finished_sending`: requests whose blocks the remote side has read (or that nobody read
+    before the timeout): the scheduler may free them now. `finished_recving`: requests whose
+    asynchronous load ended, successfully or not; a failed load's blocks are in
+    `invalid_block_ids`, and the scheduler recomputes that request instead.
+    """
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
+
+
+@dataclass
 class ModelRunnerOutput:
     """One step's results, indexed like `req_ids` (the runner's batch order)."""
 
@@ -50,6 +69,8 @@ class ModelRunnerOutput:
     # Beams of a beam search that reached the end of their tokens: their candidates for
     # the next token (see NewRequestData.num_beam_candidates).
     beam_candidates: dict[str, BeamCandidates] = field(default_factory=dict)
+    # Transfers the KV connector finished (None without a connector).
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
@@ -92,6 +113,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # What a KV connector hands back for the next hop (e.g. where a prefill's KV can be
+    # pulled from); None without a connector.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __repr__(self) -> str:
         return (

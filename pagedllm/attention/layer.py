@@ -44,6 +44,10 @@ class Attention(nn.Module):
         self.layer_name = prefix
         self.kv_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
+        # A KV connector's worker side (distributed/kv_transfer/), bound by the model runner
+        # when one is configured: it loads this layer's blocks before attention and saves them
+        # after. None (the usual case) costs one attribute check per layer.
+        self.kv_connector: Any = None
 
     def forward(
         self,
@@ -58,6 +62,9 @@ class Attention(nn.Module):
                 "must set layer.kv_cache and layer.backend before the first forward"
             )
         num_tokens = q.shape[0]
+        connector = self.kv_connector
+        if connector is not None:
+            connector.wait_for_layer_load(self.layer_name)
         out = self.backend.forward(
             q.view(num_tokens, self.num_heads, self.head_size),
             k.view(num_tokens, self.num_kv_heads, self.head_size),
@@ -66,6 +73,8 @@ class Attention(nn.Module):
             attn_metadata,
             self.scale,
         )  # [T, H, D]
+        if connector is not None:
+            connector.save_kv_layer(self.layer_name, self.kv_cache, attn_metadata)
         return out.reshape(num_tokens, self.num_heads * self.head_size)
 
     def extra_repr(self) -> str:

@@ -120,6 +120,7 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
         num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> KVCacheBlocks | None:
         """Make room for `num_new_tokens` more tokens of `request`; return the newly allocated
         blocks (possibly none), or None, changing nothing, when the pool cannot.
@@ -137,7 +138,8 @@ class KVCacheManager:
         `new_computed_blocks` / `num_new_computed_tokens` come from `get_computed_blocks` on the
         request's first allocation after admission (pass them only then). Blocks whose tokens
         will all be computed after this step (capped at the request's known tokens, so draft
-        tokens never get cached) are added to the prefix cache.
+        tokens never get cached) are added to the prefix cache, unless `delay_cache_blocks`
+        (a KV connector is still loading them: the next allocation caches them).
         """
         computed_blocks = new_computed_blocks.blocks if new_computed_blocks is not None else []
         req_id = request.request_id
@@ -167,7 +169,7 @@ class KVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
         req_blocks.extend(new_blocks)
 
-        if self.enable_caching:
+        if self.enable_caching and not delay_cache_blocks:
             num_full = min(num_computed + num_new_tokens, request.num_tokens) // self.block_size
             num_cached = self.num_cached_block[req_id]
             if num_full > num_cached:

@@ -18,6 +18,7 @@ class RequestStatus(enum.IntEnum):
 
     WAITING = enum.auto()
     WAITING_FOR_FSM = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # a KV connector is loading its KV asynchronously
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # Everything below is finished.
@@ -88,6 +89,10 @@ class Request:
         self.block_hashes: list[BlockHash] = []
         self.events: list[tuple[int, float]] = []
         self.record_event(EngineCoreEventType.QUEUED)
+        # What a KV connector should do with this request (vLLM's kv_transfer_params, from
+        # SamplingParams.extra_args); a private copy: connectors update it as they go.
+        params = (sampling_params.extra_args or {}).get("kv_transfer_params")
+        self.kv_transfer_params: dict | None = dict(params) if params else None
 
     @classmethod
     def from_engine_core_request(cls, request: EngineCoreRequest) -> Request:

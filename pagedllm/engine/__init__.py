@@ -70,6 +70,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):  # 
     events: list[tuple[int, float]] | None = None
     # A finished beam-search request's best sequences, best first (new_token_ids is empty).
     beam_sequences: list[BeamSequenceOutput] | None = None
+    # Set on a finished request by the KV connector (e.g. where its KV can be pulled from).
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:

@@ -16,6 +16,7 @@ from pagedllm.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    KVTransferConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -59,6 +60,7 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     speculative_config: dict[str, Any] | None = None
     reasoning_parser: str | None = None
+    kv_transfer_config: dict[str, Any] | None = None
     disable_log_stats: bool = False
     # The old name of kv_cache_memory_bytes, still accepted (see ALIASES).
     kv_cache_memory: dataclasses.InitVar[int | None] = None
@@ -153,6 +155,13 @@ class EngineArgs:
             from pagedllm.reasoning import ReasoningParserManager
 
             ReasoningParserManager.get_reasoning_parser(self.reasoning_parser)  # known name
+        kv_transfer_config = None
+        if self.kv_transfer_config is not None:
+            from pagedllm.distributed.kv_transfer.factory import KVConnectorFactory
+
+            kv_transfer_config = KVTransferConfig.from_dict(self.kv_transfer_config)
+            KVConnectorFactory.validate(kv_transfer_config)
+            _check_kv_transfer_compatible(extra.get("speculative_config"))
         return EngineConfig(
             model_config=model_config,
             cache_config=cache_config,
@@ -161,6 +170,7 @@ class EngineArgs:
             device_config=device_config,
             enforce_eager=self.enforce_eager,
             structured_outputs_config=StructuredOutputsConfig(self.reasoning_parser),
+            kv_transfer_config=kv_transfer_config,
             extra=extra,
         )
 
@@ -218,7 +228,7 @@ class EngineArgs:
                 )
             elif f.name == "quantization":
                 group.add_argument(*flags, "-q", choices=["int8"], default=None, help=help_text)
-            elif f.name == "speculative_config":
+            elif f.name in ("speculative_config", "kv_transfer_config"):
                 group.add_argument(*flags, type=json.loads, default=None, help=help_text)
             elif f.name == "served_model_name":
                 group.add_argument(*flags, nargs="+", default=None, help=help_text)
@@ -258,6 +268,18 @@ def human_readable_int(value: str) -> int:
         ) from None
 
 
+def _check_kv_transfer_compatible(speculative_config: Any) -> None:
+    """KV connectors move the target model's KV only; a drafter with a KV cache of its own
+    (draft model, EAGLE) would attend over positions it never computed."""
+    method = getattr(speculative_config, "method", None)
+    if method in ("draft_model", "eagle"):
+        raise ValueError(
+            f"kv_transfer_config cannot be combined with speculative_config.method={method!r}: "
+            "connectors move the target model's KV only, not the drafter's; use 'ngram' or "
+            "'medusa'"
+        )
+
+
 def _cli_type(f: dataclasses.Field) -> Any:
     text = str(f.type)
     if "int" in text:
@@ -290,4 +312,8 @@ _HELP = {
     "reasoning_parser": "Split reasoning from content (deepseek_r1, qwen3); structured "
     "outputs apply after the reasoning.",
     "speculative_config": 'JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'.',
+    "kv_transfer_config": (
+        'JSON, e.g. \'{"kv_connector": "OffloadingConnector", "kv_role": "kv_both", '
+        '"kv_connector_extra_config": {"disk_path": "/var/cache/kv"}}\'.'
+    ),
 }

@@ -19,6 +19,10 @@ from pagedllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
+# A step with nothing to compute that only waits for KV transfers sleeps this long, so an
+# engine polling its connector does not spin a core.
+_KV_TRANSFER_POLL_S = 0.005
+
 
 class EngineCore:
     """Owns the Scheduler and the Executor. Not thread-safe: one caller steps it."""
@@ -26,6 +30,10 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor_class: type[Executor] | None = None):
         self.config = config
         t0 = time.monotonic()
+        if config.kv_transfer_config is not None:
+            from pagedllm.distributed.kv_transfer.factory import KVConnectorFactory
+
+            KVConnectorFactory.prepare(config)  # before the worker and scheduler sides exist
         self.executor = (executor_class or Executor.get_class(config))(config)
         self.num_blocks = self._initialize_kv_cache()
         # Lazy: loads the tokenizer and xgrammar only when a structured request arrives.
@@ -62,13 +70,16 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Whether stepping has work: requests, or KV transfers a connector still moves."""
+        return self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_kv_transfers()
 
     def step(self) -> EngineCoreOutputs:
         if not self.scheduler.has_requests():
             return EngineCoreOutputs(outputs=[], scheduler_stats=self.scheduler.make_stats())
         scheduler_output = self.scheduler.schedule()
         model_output = self.executor.execute_model(scheduler_output)
+        if scheduler_output.is_empty and self.scheduler.kv_transfer is not None:
+            time.sleep(_KV_TRANSFER_POLL_S)
         return self.scheduler.update_from_output(scheduler_output, model_output)
 
     def reset_prefix_cache(self) -> bool:
@@ -77,3 +88,5 @@ class EngineCore:
     def shutdown(self) -> None:
         self.structured_output_manager.shutdown()
         self.executor.shutdown()
+        if self.scheduler.kv_transfer is not None:
+            self.scheduler.kv_transfer.connector.shutdown()

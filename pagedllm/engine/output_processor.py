@@ -108,6 +108,7 @@ class RequestState:
 
     def __post_init__(self) -> None:
         self.stats = RequestStateStats(arrival_time=self.arrival_time)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass
@@ -234,6 +235,8 @@ class OutputProcessor:
             state.token_ids.extend(out.new_token_ids)
             self._add_logprobs(state, out)
             state.num_cached_tokens = out.num_cached_tokens
+            if out.kv_transfer_params is not None:
+                state.kv_transfer_params = out.kv_transfer_params
             finished = finish_reason is not None
             ro = self._make_request_output(state, finish_reason, stop_reason, finished)
             if finished:
@@ -397,6 +400,7 @@ class OutputProcessor:
             outputs=completions,
             finished=done,
             num_cached_tokens=state.num_cached_tokens,
+            kv_transfer_params=state.kv_transfer_params,
             metrics=RequestMetrics(
                 arrival_time=state.arrival_time,
                 first_token_time=state.stats.first_token_time,

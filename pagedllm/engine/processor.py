@@ -141,6 +141,26 @@ class Processor:
                 f"prompt token id {bad} is out of the vocabulary (0..{self.vocab_size - 1})"
             )
 
+    def _validate_kv_transfer_params(self, params: SamplingParams) -> None:
+        """`kv_transfer_params` (in `extra_args`) need a KV connector that takes them."""
+        extra = params.extra_args
+        if not extra or extra.get("kv_transfer_params") is None:
+            return
+        if not isinstance(extra["kv_transfer_params"], dict):
+            raise ValueError(
+                f"kv_transfer_params must be a JSON object, got {extra['kv_transfer_params']!r}"
+            )
+        kv_config = self.config.kv_transfer_config
+        if kv_config is None:
+            raise ValueError(
+                "kv_transfer_params were given but this engine has no KV connector; start it "
+                "with kv_transfer_config (--kv-transfer-config)"
+            )
+        from pagedllm.distributed.kv_transfer.factory import KVConnectorFactory
+
+        connector_class = KVConnectorFactory.get_connector_class(kv_config)
+        connector_class.validate_kv_transfer_params(params, kv_config)
+
     def _validate_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         limit = self.model_config.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
@@ -156,6 +176,7 @@ class Processor:
             if bad:
                 raise ValueError(f"{name} has token ids out of the vocabulary: {bad[:10]}")
         self.validate_structured_outputs(params)  # bad schema/regex/grammar: compiler's message
+        self._validate_kv_transfer_params(params)
         params = params.clone()
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - prompt_len

@@ -27,6 +27,13 @@ from pagedllm.attention.layer import (
 from pagedllm.attention.selector import get_attn_backend
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched.output import SchedulerOutput
+from pagedllm.distributed.kv_transfer.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    execute_with_kv_connector,
+)
+from pagedllm.distributed.kv_transfer.factory import KVConnectorFactory
+from pagedllm.distributed.kv_transfer.kv_blocks import kv_block_dim
 from pagedllm.models.loader import get_model
 from pagedllm.outputs import BeamCandidates, LogprobsLists, ModelRunnerOutput
 from pagedllm.sample.beam import beam_candidates
@@ -115,6 +122,10 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler()
         # (request states, their SamplingMetadata) of the last plain sampling step.
         self._cached_metadata: tuple[list[CachedRequestState], SamplingMetadata] | None = None
+        # The worker side of a KV connector (distributed/kv_transfer/), None without one.
+        self.kv_connector: KVConnectorBase_V1 | None = None
+        if config.kv_transfer_config is not None:
+            self.kv_connector = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER)
 
     # ---- set-up ----------------------------------------------------------------------------
 
@@ -138,6 +149,18 @@ class ModelRunner:
         )
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks, self.attn_backend)
+        if self.kv_connector is not None:
+            layers = get_attention_layers(self.model)
+            self.kv_connector.register_kv_caches(
+                {layer.layer_name: layer.kv_cache for layer in layers},
+                kv_block_dim(self.attn_backend),
+            )
+            for layer in layers:
+                layer.kv_connector = self.kv_connector
+
+    def shutdown(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
 
     # ---- per-step state ---------------------------------------------------------------------
 
@@ -175,6 +198,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        if self.kv_connector is not None:
+            return execute_with_kv_connector(self.kv_connector, so, self._execute_model)
+        return self._execute_model(so)
+
+    def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

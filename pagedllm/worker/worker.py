@@ -81,3 +81,7 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        if self.model_runner is not None:
+            self.model_runner.shutdown()

@@ -11,6 +11,7 @@ from pagedllm.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    KVTransferConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -38,6 +39,7 @@ def create_scheduler(
     enable_chunked_prefill: bool = True,
     long_prefill_token_threshold: int = 0,
     policy: str = "fcfs",
+    kv_transfer_config: KVTransferConfig | None = None,
 ) -> Scheduler:
     model_config = ModelConfig(
         model="fake",
@@ -66,6 +68,7 @@ def create_scheduler(
         scheduler_config=scheduler_config,
         parallel_config=ParallelConfig(),
         device_config=DeviceConfig(device="cpu"),
+        kv_transfer_config=kv_transfer_config,
     )
     return Scheduler(config)
 

@@ -86,6 +86,8 @@ class SchedulerOutput:
     grammar_bitmask: object | None = None
     # Block copies to run before this step's forward pass, in order (beam search).
     blocks_to_copy: list[KVBlockCopy] = field(default_factory=list)
+    # What the KV connector's worker side must load and save this step (None: no connector).
+    kv_connector_metadata: object | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -34,12 +34,13 @@ import bisect
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from pagedllm.core.kv_cache_utils import update_request_block_hashes
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched.beam import BeamGroup, BeamSearchManager
+from pagedllm.core.sched.kv_transfer import KVTransferTracker
 from pagedllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from pagedllm.core.sched.request_queue import create_request_queue
 from pagedllm.core.sched.utils import (
@@ -100,7 +101,8 @@ class Scheduler:
     each step is `schedule()` -> model runner -> `update_from_output()` with that same
     SchedulerOutput; `add_request` / `finish_requests` are called between steps only.
     Invariants between steps: every request in `self.requests` is unfinished and is either in
-    `self.running` (holding KV blocks) or in `self.waiting` (holding none).
+    `self.running` (holding KV blocks) or in `self.waiting` (holding none, except requests
+    whose KV a connector is loading or has loaded: see core/sched/kv_transfer.py).
     """
 
     def __init__(
@@ -122,6 +124,8 @@ class Scheduler:
         self.policy = sched.policy
         self.block_size = cache.block_size
         self.enable_caching = cache.enable_prefix_caching
+        # Block hashes key the prefix cache and the KV connectors' stores.
+        self.hash_blocks = self.enable_caching or config.kv_transfer_config is not None
         self.kv_cache_manager = KVCacheManager(
             cache.num_blocks, self.block_size, self.max_model_len, self.enable_caching
         )
@@ -148,12 +152,22 @@ class Scheduler:
         # Running requests the runner holds no state for yet (beams forked or admitted with
         # their group but not scheduled so far): sent as new requests when next scheduled.
         self._unsent: set[str] = set()
+        # A KV connector's loads and held blocks (None: KV never leaves this engine).
+        self.kv_transfer: KVTransferTracker | None = None
+        if config.kv_transfer_config is not None:
+            from pagedllm.distributed.kv_transfer.base import KVConnectorRole
+            from pagedllm.distributed.kv_transfer.factory import KVConnectorFactory
+
+            connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER)
+            self.kv_transfer = KVTransferTracker(connector, self.kv_cache_manager)
 
     # ---- requests in and out ----------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         """Queue a new request (status WAITING, or WAITING_FOR_FSM while its grammar compiles)."""
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or (
+            self.kv_transfer is not None and request.request_id in self.kv_transfer.held
+        ):
             raise ValueError(f"request_id={request.request_id!r} is already in the scheduler")
         if request.num_prompt_tokens > self.max_model_len:
             raise ValueError(
@@ -162,7 +176,7 @@ class Scheduler:
             )
         if request.beam_search is not None:
             self.beam_search.check(request)
-        if self.enable_caching:
+        if self.hash_blocks:
             update_request_block_hashes(request, self.block_size)
         if request.sampling_params.prompt_logprobs is not None:
             self._prompt_logprobs[request.request_id] = PromptLogprobsAccumulator(
@@ -214,14 +228,22 @@ class Scheduler:
             self.beam_search.remove(group)
         return expanded
 
-    def _free_request(self, request: Request) -> None:
+    def _free_request(self, request: Request) -> dict[str, Any] | None:
+        """Drop a finished request and free its blocks (unless a KV transfer still needs
+        them); returns what the KV connector hands back to the client, if anything."""
         self._unsent.discard(request.request_id)
-        self.kv_cache_manager.free(request)
+        kv_transfer_params = None
+        held = False
+        if self.kv_transfer is not None:
+            held, kv_transfer_params = self.kv_transfer.request_finished(request)
+        if not held:
+            self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._prompt_logprobs.pop(request.request_id, None)
         self.finished_req_ids.add(request.request_id)
         if self.structured_output_manager is not None:
             self.structured_output_manager.free_request(request.request_id)
+        return kv_transfer_params
 
     # ---- schedule ---------------------------------------------------------------------------
 
@@ -233,6 +255,8 @@ class Scheduler:
         if not state.preempted:
             self._schedule_waiting(state)
         output = self._make_output(state)
+        if self.kv_transfer is not None:
+            self.kv_transfer.build_meta(output)
         if self.structured_output_manager is not None:
             self.structured_output_manager.fill_bitmask(output, self.requests)
         for req_id, num_tokens in state.num_scheduled_tokens.items():
@@ -299,12 +323,18 @@ class Scheduler:
                 continue
             if not self._try_admit(request, state):
                 break
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                skipped.append(request)  # its KV loads in the background; it keeps its place
         self.waiting.prepend_requests(skipped)
 
     def _is_ready(self, request: Request) -> bool:
         """Whether a waiting request may be admitted now. Structured outputs hook in here: a
         request stays WAITING_FOR_FSM (and is skipped, keeping its place) until its grammar is
-        compiled, when the structured-output manager sets it back to WAITING."""
+        compiled, when the structured-output manager sets it back to WAITING. A request whose
+        KV a connector loads asynchronously waits for the load to end."""
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            assert self.kv_transfer is not None
+            return self.kv_transfer.finish_load(request)
         if request.status != RequestStatus.WAITING_FOR_FSM:
             return True
         som = self.structured_output_manager
@@ -313,25 +343,47 @@ class Scheduler:
     def _try_admit(self, request: Request, state: _StepState) -> bool:
         """Admit the head of the waiting queue with its first chunk; False if it must wait.
         A beam brings its group's other waiting beams along (they hold their prefix-cache
-        hits, and get tokens from the next step on)."""
+        hits, and get tokens from the next step on). With a KV connector, the tokens it
+        supplies count as computed; if it loads them asynchronously the request only gets its
+        blocks and is parked (WAITING_FOR_REMOTE_KVS). A request whose asynchronous load ended
+        already holds its blocks."""
         group = self.beam_search.group_of(request)
         if group is not None:
             seats = len(self.running) + self.beam_search.num_reserved_seats()
             if seats + group.params.beam_width > self.max_num_seqs:
                 return False
-        hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
-        behind = request.num_tokens - num_hit_tokens
-        if self.enable_chunked_prefill:
+        num_external, load_async = 0, False
+        if request.num_computed_tokens > 0:
+            hit_blocks, num_hit_tokens = KVCacheBlocks(), 0
+            num_computed = request.num_computed_tokens
+        else:
+            hit_blocks, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            if self.kv_transfer is not None and group is None:
+                num_external, load_async = self.kv_transfer.get_external_tokens(
+                    request, num_hit_tokens
+                )
+            num_computed = num_hit_tokens + num_external
+        behind = request.num_tokens - num_computed
+        if load_async:
+            num_new = 0
+        elif self.enable_chunked_prefill:
             num_new = self._cap_new_tokens(behind, state.token_budget)
         elif behind <= state.token_budget:
             num_new = behind
         else:
             return False  # the whole prompt must fit in one step
-        blocks = self._allocate_for_waiting(request, num_new, hit_blocks, num_hit_tokens, state)
+        blocks = self._allocate_for_waiting(
+            request, num_new + num_external, hit_blocks, num_hit_tokens, state, load_async
+        )
         if blocks is None:
             return False
         self.waiting.pop_request()
-        self._start_running(request, num_hit_tokens)
+        if self.kv_transfer is not None:
+            request.num_computed_tokens = num_computed - num_external  # what is in place
+            self.kv_transfer.after_alloc(request, num_external, load_async)
+            if load_async:
+                return True
+        self._start_running(request, num_computed)
         state.add(request, num_new, blocks, is_new=True)
         if group is not None:
             self._admit_beams(group)
@@ -370,16 +422,27 @@ class Scheduler:
         hit_blocks: KVCacheBlocks,
         num_hit_tokens: int,
         state: _StepState,
+        delay_cache_blocks: bool = False,
     ) -> KVCacheBlocks | None:
-        """Allocate a waiting request's first chunk. With the priority policy, running
-        requests of strictly lower priority are preempted (possibly undoing their scheduling
-        this step) until it fits."""
+        """Allocate a waiting request's first chunk. Waiting requests behind it that hold
+        KV a connector loaded give their blocks back first; then, with the priority policy,
+        running requests of strictly lower priority are preempted (possibly undoing their
+        scheduling this step) until it fits."""
         while True:
             blocks = self.kv_cache_manager.allocate_slots(
-                request, num_new, num_hit_tokens, hit_blocks, self.num_lookahead_tokens
+                request,
+                num_new,
+                num_hit_tokens,
+                hit_blocks,
+                self.num_lookahead_tokens,
+                delay_cache_blocks,
             )
             if blocks is not None:
                 return blocks
+            if self.kv_transfer is not None and self.kv_transfer.release_waiting_holder(
+                list(self.waiting), request
+            ):
+                continue
             if self.policy != "priority" or not self.running or not request < self.running[-1]:
                 return None
             self._preempt_last(state)
@@ -460,6 +523,8 @@ class Scheduler:
         mro = model_runner_output
         outputs: list[EngineCoreOutput] = []
         num_finished = 0
+        if self.kv_transfer is not None and mro.kv_connector_output is not None:
+            self.kv_transfer.update_from_output(mro.kv_connector_output)
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             if request is None:
@@ -490,9 +555,10 @@ class Scheduler:
                 request.spec_token_ids = self._valid_drafts(request, list(mro.spec_token_ids[idx]))
             else:
                 request.spec_token_ids = []
-            outputs.append(self._make_engine_output(request, new_token_ids, new_logprobs))
+            output = self._make_engine_output(request, new_token_ids, new_logprobs)
+            outputs.append(output)
             if request.is_finished():
-                self._free_request(request)
+                output.kv_transfer_params = self._free_request(request)
                 num_finished += 1
         if num_finished:
             self.running = [r for r in self.running if not r.is_finished()]
@@ -549,7 +615,7 @@ class Scheduler:
             som = self.structured_output_manager
             if som is not None and som.accept_token(request, token_id):
                 break  # the grammar ended (or rejected the token): finished with "stop"
-        if self.enable_caching:
+        if self.hash_blocks:
             update_request_block_hashes(request, self.block_size)
         new_logprobs = logprobs_entries(lists, 0, len(kept)) if lists is not None else None
         return kept, new_logprobs
@@ -584,8 +650,17 @@ class Scheduler:
         return len(self.finished_req_ids) > 0
 
     def has_requests(self) -> bool:
-        """Whether a step has anything to do: run requests or tell the runner of finished ones."""
-        return self.has_unfinished_requests() or self.has_finished_requests()
+        """Whether a step has anything to do: run requests, tell the runner of finished ones,
+        or wait for KV transfers."""
+        return (
+            self.has_unfinished_requests()
+            or self.has_finished_requests()
+            or self.has_pending_kv_transfers()
+        )
+
+    def has_pending_kv_transfers(self) -> bool:
+        """Whether a KV connector still moves blocks (held for a peer, or loading)."""
+        return self.kv_transfer is not None and self.kv_transfer.has_pending()
 
     def make_stats(self) -> SchedulerStats:
         """Current queue sizes and KV usage, plus counters since the last call (reset here)."""
@@ -611,10 +686,14 @@ class Scheduler:
         exactly the running requests hold blocks. Cheap; meant for tests and idle engines."""
         self.kv_cache_manager.check_integrity()
         running_ids = {r.request_id for r in self.running}
+        expected = set(running_ids)
+        if self.kv_transfer is not None:
+            expected |= self.kv_transfer.block_holders(list(self.waiting))
         holders = set(self.kv_cache_manager.req_to_blocks)
-        if running_ids != holders:
+        if expected != holders:
             raise AssertionError(
-                f"running {sorted(running_ids)} but blocks held by {sorted(holders)}"
+                f"running / transferring {sorted(expected)} but blocks held by "
+                f"{sorted(holders)}"
             )
         if len(running_ids) + len(self.waiting) != len(self.requests):
             raise AssertionError("a request is neither running nor waiting")

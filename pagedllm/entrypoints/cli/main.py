@@ -1,4 +1,5 @@
-"""The `pagedllm` command: `serve`, `generate`, `bench ...`, `make-demo-model`.
+"""The `pagedllm` command: `serve`, `generate`, `bench ...`, `make-demo-model`,
+`disagg-proxy`.
 
 Each verb lives in its own module with `register(subparsers)`; heavy imports (torch,
 transformers) happen inside the verb, so `pagedllm --help` stays fast.
@@ -17,6 +18,7 @@ _VERB_MODULES = (
     "pagedllm.entrypoints.cli.generate",
     "pagedllm.entrypoints.cli.bench",
     "pagedllm.entrypoints.cli.demo_model",
+    "pagedllm.entrypoints.cli.disagg_proxy",
 )
 
 

@@ -137,6 +137,9 @@ class SamplingRequestMixin(OpenAIBaseModel, StructuredOutputsRequestMixin):
             length_penalty=self.length_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output,
         )
+    # Disaggregated prefill/decode (vLLM's field): what the engine's KV connector should do
+    # with this request's KV, e.g. pull it from a prefill instance.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def _sampling_params(
         self,
@@ -177,6 +180,11 @@ class SamplingRequestMixin(OpenAIBaseModel, StructuredOutputsRequestMixin):
             bad_words=self.bad_words,
             structured_outputs=self.to_structured_outputs(),
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            extra_args=(
+                {"kv_transfer_params": self.kv_transfer_params}
+                if self.kv_transfer_params is not None
+                else None
+            ),
         )
 
     @property
@@ -240,6 +248,7 @@ class CompletionResponse(OpenAIBaseModel):
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionResponseStreamChoice(OpenAIBaseModel):
@@ -351,6 +360,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     usage: UsageInfo
     system_fingerprint: str | None = None
     prompt_logprobs: list[dict[int, Any] | None] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):

@@ -237,7 +237,12 @@ class OpenAIServingChat(OpenAIServing):
             )
         usage = make_usage(len(ids), num_generated)
         response = ChatCompletionResponse(
-            id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+            id=request_id,
+            created=created,
+            model=self.model_name,
+            choices=choices,
+            usage=usage,
+            kv_transfer_params=final.kv_transfer_params,
         )
         if request.prompt_logprobs is not None or request.echo:
             response.prompt_logprobs = final.prompt_logprobs

@@ -67,6 +67,11 @@ class OpenAIServingCompletion(OpenAIServing):
         tokenized = await self.in_tokenizer_thread(
             self._prompts, request.prompt, request.add_special_tokens
         )
+        if request.kv_transfer_params is not None and len(tokenized) > 1:
+            raise OpenAIError(
+                "kv_transfer_params describe one request's KV; send one prompt per request",
+                param="kv_transfer_params",
+            )
         for i, (text, ids) in enumerate(tokenized):
             # echo with max_tokens=0 scores the prompt: one token is generated, not returned.
             requested = 1 if request.echo_only else request.max_tokens
@@ -136,7 +141,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 )
         usage = make_usage(num_prompt_tokens, num_generated)
         return CompletionResponse(
-            id=request_id, created=created, model=self.model_name, choices=choices, usage=usage
+            id=request_id,
+            created=created,
+            model=self.model_name,
+            choices=choices,
+            usage=usage,
+            kv_transfer_params=final[0].kv_transfer_params if final[0] is not None else None,
         )
 
     async def _stream(
