@@ -12,6 +12,7 @@ from pagedllm.beam_search import BeamSearchOutput, BeamSearchSequence
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.processor import PromptType
+from pagedllm.entrypoints.chat_utils import render_chat
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -125,21 +126,28 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        documents: list[dict[str, str]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to each conversation, then generate."""
+        """Render each conversation through the tokenizer's chat template (with `tools`,
+        `documents` and `chat_template_kwargs` passed to it, as the server does), then
+        generate. Malformed messages or a failing template are a ValueError."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tokenizer = self.get_tokenizer()
         prompts: list[PromptType] = []
         for conv in conversations:
-            ids = tokenizer.apply_chat_template(
+            text = render_chat(
+                tokenizer,
                 conv,
-                chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
                 continue_final_message=continue_final_message,
-                tokenize=True,
+                chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs,
+                tools=tools,
+                documents=documents,
             )
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
+            ids = tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

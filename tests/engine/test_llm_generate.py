@@ -198,6 +198,23 @@ def test_chat(llama_dir):
         expected = expected["input_ids"]
     assert out.prompt_token_ids == list(expected)
 
+    # tools and chat_template_kwargs reach the template, as the server passes them; content
+    # given as text parts renders like the plain string.
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi there"}]}]
+    with_tools = llm.chat(parts, _greedy(1), use_tqdm=False, tools=tools)[0]
+    expected = tok.apply_chat_template(
+        [{"role": "user", "content": "Hi there"}], tools=tools, add_generation_prompt=True
+    )
+    if isinstance(expected, dict) or hasattr(expected, "input_ids"):
+        expected = expected["input_ids"]
+    assert with_tools.prompt_token_ids == list(expected) != out.prompt_token_ids
+    assert "get_weather" in tok.decode(with_tools.prompt_token_ids)
+    with pytest.raises(ValueError, match="image_url"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url"}]}], use_tqdm=False)
+    with pytest.raises(ValueError, match="role"):
+        llm.chat([{"content": "no role"}], use_tqdm=False)
+
 
 @pytest.mark.parametrize(
     "prompt, params, match",

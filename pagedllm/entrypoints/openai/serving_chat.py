@@ -10,6 +10,7 @@ import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
+from pagedllm.entrypoints.chat_utils import flatten_content, render_chat
 from pagedllm.entrypoints.openai.chat_output import ChatOutputParser
 from pagedllm.entrypoints.openai.limits import ServerLimits
 from pagedllm.entrypoints.openai.protocol import (
@@ -30,29 +31,10 @@ from pagedllm.entrypoints.openai.serving_engine import (
     final_output,
     make_usage,
 )
-from pagedllm.entrypoints.openai.tool_choice import history_for_template, select_tool_parser
+from pagedllm.entrypoints.openai.tool_choice import select_tool_parser
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser, ToolParserManager
 from pagedllm.outputs import RequestOutput
 from pagedllm.reasoning import ReasoningParser, ReasoningParserManager
-
-
-def _flatten_content(content: Any) -> str:
-    """OpenAI content may be a string or a list of parts; only text parts are supported."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if isinstance(part, dict) and part.get("type") == "text":
-                texts.append(str(part.get("text", "")))
-            else:
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise OpenAIError(
-                    f"message content part of type {kind!r} is not supported (text only)",
-                    param="messages",
-                )
-        return "\n".join(texts)
-    raise OpenAIError(f"message content must be a string or a list, got {content!r}")
 
 
 def _echoed_content(request: ChatCompletionRequest) -> str:
@@ -63,7 +45,7 @@ def _echoed_content(request: ChatCompletionRequest) -> str:
     last = request.messages[-1]
     if not isinstance(last, dict) or last.get("role") != "assistant":
         return ""
-    return _flatten_content(last.get("content"))
+    return flatten_content(last.get("content"))
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -135,36 +117,19 @@ class OpenAIServingChat(OpenAIServing):
         documents: list[dict[str, str]] | None = None,
     ) -> str:
         """The prompt text of a conversation; 400 for malformed messages or no template."""
-        if not messages:
-            raise OpenAIError("messages must be a non-empty list", param="messages")
-        conversation = []
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise OpenAIError(
-                    f"every message needs a string 'role', got {str(m)[:80]!r}", param="messages"
-                )
-            conversation.append(
-                history_for_template({**m, "content": _flatten_content(m.get("content"))})
-            )
-        if add_generation_prompt and continue_final_message:
-            raise OpenAIError(
-                "add_generation_prompt and continue_final_message cannot both be true"
-            )
         try:
-            return self.tokenizer.apply_chat_template(
-                conversation,
-                tokenize=False,
+            return render_chat(
+                self.tokenizer,
+                messages,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 chat_template=chat_template,
+                chat_template_kwargs=chat_template_kwargs,
                 tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
                 documents=documents,
-                **(chat_template_kwargs or {}),
             )
         except ValueError as e:
-            raise OpenAIError(f"cannot apply the chat template: {e}", param="messages") from e
-        except Exception as e:  # jinja2 errors from a user-supplied template
-            raise OpenAIError(f"chat template failed: {type(e).__name__}: {e}") from e
+            raise OpenAIError(str(e), param="messages") from e
 
     def _prepare_chat(self, request: ChatCompletionRequest) -> tuple[dict[str, Any], Any]:
         """Blocking (run on the tokenizer thread): the engine prompt, rendered and tokenized

@@ -16,7 +16,6 @@ guarantees them, and the parser that reads them back.
 from __future__ import annotations
 
 import copy
-import json
 from typing import Any
 
 from pagedllm.entrypoints.openai.protocol_tools import (
@@ -149,21 +148,3 @@ def select_tool_parser(
     return None
 
 
-def history_for_template(message: dict[str, Any]) -> dict[str, Any]:
-    """A history message as chat templates expect it: an assistant's `tool_calls` carry their
-    arguments as objects, not the JSON text the API sends (as vLLM passes them)."""
-    calls = message.get("tool_calls")
-    if not calls or not isinstance(calls, list):
-        return message
-    converted = []
-    for call in calls:
-        function = call.get("function") if isinstance(call, dict) else None
-        arguments = function.get("arguments") if isinstance(function, dict) else None
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                pass  # left as text; the template decides what to do with it
-            call = {**call, "function": {**function, "arguments": arguments}}
-        converted.append(call)
-    return {**message, "tool_calls": converted}

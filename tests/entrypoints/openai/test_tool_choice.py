@@ -9,6 +9,7 @@ import json
 import jsonschema
 import pytest
 
+from pagedllm.entrypoints.chat_utils import history_for_template
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.protocol_tools import (
     ChatCompletionNamedToolChoiceParam,
@@ -18,7 +19,6 @@ from pagedllm.entrypoints.openai.tool_choice import (
     NamedToolCallParser,
     RequiredToolCallsParser,
     effective_tool_choice,
-    history_for_template,
     select_tool_parser,
     tool_choice_json_schema,
 )
