@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q -e '.[dev]'
+	$(VPY) -m pip install -q -e '.[dev,triton]'
 	$(VPY) -m pagedllm.ops   # compile the native CPU kernels once (cached by source hash)
 	touch $@
 

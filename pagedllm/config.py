@@ -309,6 +309,7 @@ class EngineConfig:
     parallel_config: ParallelConfig
     device_config: DeviceConfig
     enforce_eager: bool = False
+    attention_backend: str | None = None  # None: the device's default (attention/selector.py)
     structured_outputs_config: StructuredOutputsConfig = field(
         default_factory=StructuredOutputsConfig
     )

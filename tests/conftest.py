@@ -16,6 +16,43 @@ import torch  # noqa: E402
 from pagedllm.config import EngineConfig  # noqa: E402
 from pagedllm.testing.demo_model import TINY_ARCH_OVERRIDES
 
+# Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors; the variable must
+# be set before a kernel module is imported (kernels are defined interpreted or compiled then).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _fix_interpreter_bf16_dot() -> None:
+    """Triton's interpreter (3.x) multiplies bf16 `tl.dot` operands as their raw uint16 bit
+    patterns (numpy has no bf16); widen them to fp32 first, as it already does for fp8, so the
+    kernels' bf16 path is checked like the GPU computes it (bf16 products, fp32 sums)."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    import triton.language as tl
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder, "_pagedllm_bf16_dot", False):
+        return
+    create_dot = builder.create_dot
+
+    def widen(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        data = interpreter._convert_float(handle.data, tl.bfloat16, tl.float32, None)
+        return interpreter.TensorHandle(data.view("float32"), tl.float32)
+
+    def create_dot_bf16(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = create_dot_bf16
+    builder._pagedllm_bf16_dot = True
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _fix_interpreter_bf16_dot()
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:

@@ -1,11 +1,23 @@
-"""Picks the attention backend for a device: the seam where a Triton backend plugs in for CUDA.
+"""Picks the attention backend: the seam where device-specific attention plugs in.
 
-`TorchAttentionBackend` (SDPA over gathered paged blocks) runs unchanged on the CPU and on
-CUDA; bf16 caches on the CPU get `CpuAttentionBackend`, its decodes attended by the native
-paged kernel, when the native ops are available (`pagedllm.ops`).
+Backends, by vLLM's names:
+- `TORCH_SDPA` (`TorchAttentionBackend`: SDPA over gathered paged blocks): runs on the CPU and
+  CUDA; the reference every other backend is tested against.
+- `CPU_ATTN` (`CpuAttentionBackend`: the torch backend with decodes attended by the native
+  paged kernel of `pagedllm.ops`): the CPU default for bf16 KV caches when the native ops
+  are available; otherwise the CPU gets TORCH_SDPA.
+- `TRITON_ATTN` (`TritonAttentionBackend`: the Triton kernels): the CUDA default. On the CPU
+  it runs only in Triton's interpreter (`TRITON_INTERPRET=1`, for tests).
+
+A choice made explicitly, by the engine argument `attention_backend` (`--attention-backend`)
+or else the environment variable `PAGEDLLM_ATTENTION_BACKEND` (vLLM's
+`VLLM_ATTENTION_BACKEND`), wins over the default; one that cannot run is a ValueError.
 """
 
 from __future__ import annotations
+
+import logging
+import os
 
 import torch
 
@@ -13,18 +25,65 @@ from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.cpu_backend import CpuAttentionBackend
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 from pagedllm.ops import cpu_ops
+from pagedllm.ops.triton import HAS_TRITON, triton_usable
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_BACKENDS = ("TORCH_SDPA", "CPU_ATTN", "TRITON_ATTN")
+ATTENTION_BACKEND_ENV = "PAGEDLLM_ATTENTION_BACKEND"
+
+
+def check_attention_backend_name(name: str) -> str:
+    """`name` upper-cased if it is a known backend; else a ValueError naming it."""
+    if name.upper() not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend={name!r} is not one of {list(ATTENTION_BACKENDS)}")
+    return name.upper()
 
 
 def get_attn_backend(
-    device: str | torch.device, kv_cache_dtype: torch.dtype | None = None
+    device: str | torch.device,
+    kv_cache_dtype: torch.dtype | None = None,
+    attention_backend: str | None = None,
 ) -> AttentionBackend:
     """The attention backend for `device` ("cpu", "cuda", "cuda:1" or a torch.device) and a
-    KV cache of `kv_cache_dtype`."""
+    KV cache of `kv_cache_dtype`: `attention_backend`, else $PAGEDLLM_ATTENTION_BACKEND, else
+    the device's default."""
     device_type = torch.device(device).type
     if device_type not in ("cpu", "cuda"):
         raise ValueError(f"device={str(device)!r} has no attention backend; use 'cpu' or 'cuda'")
-    if device_type == "cpu" and kv_cache_dtype == torch.bfloat16:
-        ops = cpu_ops()
-        if ops is not None:
-            return CpuAttentionBackend(ops)
-    return TorchAttentionBackend()
+    name = attention_backend or os.environ.get(ATTENTION_BACKEND_ENV) or None
+    if name is None:
+        if device_type == "cuda":
+            if triton_usable(device):
+                return _triton_backend()
+            logger.warning("Triton is not installed: CUDA attention falls back to TORCH_SDPA")
+            return TorchAttentionBackend()
+        ops = cpu_ops() if kv_cache_dtype == torch.bfloat16 else None
+        return CpuAttentionBackend(ops) if ops is not None else TorchAttentionBackend()
+    name = check_attention_backend_name(name)
+    if name == "TORCH_SDPA":
+        return TorchAttentionBackend()
+    if name == "CPU_ATTN":
+        ops = cpu_ops() if device_type == "cpu" and kv_cache_dtype == torch.bfloat16 else None
+        if ops is None:
+            raise ValueError(
+                "attention_backend='CPU_ATTN' needs the CPU, a bfloat16 KV cache and "
+                "pagedllm's native ops (pagedllm.ops; PAGEDLLM_CPU_KERNELS not 0)"
+            )
+        return CpuAttentionBackend(ops)
+    if not triton_usable(device):
+        why = (
+            "the triton package is not installed"
+            if not HAS_TRITON
+            else "Triton runs on the CPU only in its interpreter (TRITON_INTERPRET=1)"
+            if device_type == "cpu"
+            else "TRITON_INTERPRET=1 makes Triton run on CPU tensors only"
+        )
+        raise ValueError(f"attention_backend='TRITON_ATTN' cannot run on {device_type}: {why}")
+    return _triton_backend()
+
+
+def _triton_backend() -> AttentionBackend:
+    from pagedllm.attention.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend()

@@ -54,6 +54,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     device: str = "auto"
     enforce_eager: bool = False
+    attention_backend: str | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -151,6 +152,10 @@ class EngineArgs:
             extra["speculative_config"] = SpeculativeConfig.from_dict(
                 self.speculative_config, model_config
             )
+        if self.attention_backend is not None:
+            from pagedllm.attention.selector import check_attention_backend_name
+
+            check_attention_backend_name(self.attention_backend)
         if self.reasoning_parser is not None:
             from pagedllm.reasoning import ReasoningParserManager
 
@@ -169,6 +174,7 @@ class EngineArgs:
             parallel_config=parallel_config,
             device_config=device_config,
             enforce_eager=self.enforce_eager,
+            attention_backend=self.attention_backend,
             structured_outputs_config=StructuredOutputsConfig(self.reasoning_parser),
             kv_transfer_config=kv_transfer_config,
             extra=extra,
@@ -309,6 +315,9 @@ _HELP = {
     "num_gpu_blocks_override": "Number of KV blocks, overriding the computed one.",
     "scheduling_policy": "fcfs or priority (lower value first).",
     "device": "auto, cpu or cuda.",
+    "enforce_eager": "Run decode steps eagerly: no CUDA graphs (CUDA only).",
+    "attention_backend": "TORCH_SDPA or TRITON_ATTN (default: TRITON_ATTN on CUDA, TORCH_SDPA "
+    "on the CPU; also $PAGEDLLM_ATTENTION_BACKEND).",
     "reasoning_parser": "Split reasoning from content (deepseek_r1, qwen3); structured "
     "outputs apply after the reasoning.",
     "speculative_config": 'JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'.',

@@ -1,4 +1,5 @@
-"""pagedllm's native operators (a C++ PyTorch extension) and how they are built and found.
+"""pagedllm's native operators: a C++ PyTorch extension for the CPU (how it is built and
+found: below), and Triton kernels for CUDA (`ops/triton/`, one kernel a file).
 
 `cpu_ops()` returns the `torch.ops.pagedllm` namespace, or None when the fast path is off
 (`PAGEDLLM_CPU_KERNELS=0`) or cannot be had (no C++ compiler or ninja, a failed build): every

@@ -113,7 +113,7 @@ class ModelRunner:
         self.dtype = config.model_config.dtype
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
-        self.attn_backend = get_attn_backend(device, self.dtype)
+        self.attn_backend = get_attn_backend(device, self.dtype, config.attention_backend)
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         # Speculative decoding (spec_decode/): a proposer drafts, the RejectionSampler verifies.
