@@ -153,7 +153,7 @@ class TorchAttentionBackend(AttentionBackend):
     batches (decodes in one batch, other short queries in another); longer ones one by one.
     """
 
-    name = "torch"
+    name = "TORCH_SDPA"
     metadata_cls: type[TorchAttentionMetadata] = TorchAttentionMetadata
 
     def __init__(self, max_batched_query_len: int = 8) -> None:

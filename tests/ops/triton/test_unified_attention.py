@@ -108,6 +108,13 @@ def test_noncontiguous_query_view(device):
     assert not query.is_contiguous()
     out = torch.empty_like(batch.query)
     c = batch.common
-    unified_attention(out, query, batch.kv_cache, c.block_table, c.seq_lens,
-                      c.query_start_loc, batch.query.shape[-1] ** -0.5)
+    unified_attention(
+        out,
+        query,
+        batch.kv_cache,
+        c.block_table,
+        c.seq_lens,
+        c.query_start_loc,
+        batch.query.shape[-1] ** -0.5,
+    )
     _check(batch, out)

@@ -1,0 +1,50 @@
+"""Backend choice: the device's default, the engine argument, the environment variable, and
+clear errors for what cannot run."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.attention import selector
+from pagedllm.attention.selector import ATTENTION_BACKEND_ENV, get_attn_backend
+from pagedllm.attention.torch_backend import TorchAttentionBackend
+from pagedllm.engine.arg_utils import EngineArgs
+
+
+def test_cpu_default_is_torch_sdpa(monkeypatch):
+    monkeypatch.delenv(ATTENTION_BACKEND_ENV, raising=False)
+    assert isinstance(get_attn_backend("cpu"), TorchAttentionBackend)
+
+
+def test_cuda_default_is_triton_where_triton_runs(monkeypatch):
+    monkeypatch.delenv(ATTENTION_BACKEND_ENV, raising=False)
+    monkeypatch.setattr(selector, "triton_usable", lambda device: True)
+    assert get_attn_backend("cuda:0").name == "TRITON_ATTN"
+    monkeypatch.setattr(selector, "triton_usable", lambda device: False)
+    assert isinstance(get_attn_backend("cuda"), TorchAttentionBackend)
+
+
+def test_argument_wins_over_environment(monkeypatch):
+    monkeypatch.setenv(ATTENTION_BACKEND_ENV, "TRITON_ATTN")
+    assert isinstance(get_attn_backend("cpu", "torch_sdpa"), TorchAttentionBackend)
+
+
+def test_environment_selects_triton_in_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv(ATTENTION_BACKEND_ENV, "TRITON_ATTN")
+    if not selector.HAS_TRITON:
+        pytest.skip("triton is not installed")
+    assert get_attn_backend("cpu").name == "TRITON_ATTN"
+
+
+def test_triton_on_cpu_without_interpreter_is_an_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_ATTN.*interpreter"):
+        get_attn_backend("cpu", "TRITON_ATTN")
+
+
+def test_unknown_backend_names_the_value(tiny_llama_dir):
+    with pytest.raises(ValueError, match="attention_backend='FLASH_ATTN'"):
+        get_attn_backend("cpu", "FLASH_ATTN")
+    with pytest.raises(ValueError, match="attention_backend='nope'"):
+        EngineArgs(model=tiny_llama_dir, attention_backend="nope").create_engine_config()

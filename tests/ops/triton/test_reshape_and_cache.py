@@ -1,0 +1,56 @@
+"""reshape_and_cache: every row lands in its slot bit for bit, negative slots and every other
+slot are untouched, strided key/value views work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.ops.triton.devices import TRITON_DEVICES
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize(
+    "block_size,num_kv_heads,head_size,dtype",
+    [
+        (16, 2, 32, torch.float32),
+        (8, 1, 64, torch.bfloat16),
+        (4, 3, 24, torch.float16),
+        (1, 4, 16, torch.float32),
+    ],
+)
+def test_rows_land_in_their_slots(device, block_size, num_kv_heads, head_size, dtype):
+    from pagedllm.ops.triton.reshape_and_cache import reshape_and_cache
+
+    gen = torch.Generator().manual_seed(block_size + num_kv_heads)
+    num_blocks, num_tokens = 12, 11
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size, generator=gen)
+    kv_cache = kv_cache.to(dtype).to(device)
+    before = kv_cache.clone()
+    # Fused rows [T, (2 * Hkv + 1) * D]: key and value are strided views into them.
+    row = num_kv_heads * head_size
+    fused = torch.randn(num_tokens + 2, 2 * row + head_size, generator=gen).to(dtype).to(device)
+    key = fused[:, :row].view(-1, num_kv_heads, head_size)
+    value = fused[:, row : 2 * row].view(-1, num_kv_heads, head_size)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[[2, 7]] = -1  # padding rows
+    reshape_and_cache(key, value, kv_cache, slots.to(device))
+
+    flat = kv_cache.view(2, -1, num_kv_heads, head_size).cpu()
+    real = slots >= 0
+    assert torch.equal(flat[0, slots[real]], key[:num_tokens][real].cpu())
+    assert torch.equal(flat[1, slots[real]], value[:num_tokens][real].cpu())
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool)
+    untouched[slots[real]] = False
+    old = before.view(2, -1, num_kv_heads, head_size).cpu()
+    assert torch.equal(flat[:, untouched], old[:, untouched])
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_no_rows_is_a_no_op(device):
+    from pagedllm.ops.triton.reshape_and_cache import reshape_and_cache
+
+    kv_cache = torch.zeros(2, 2, 16, 2, 16, device=device)
+    key = torch.ones(0, 2, 16, device=device)
+    reshape_and_cache(key, key, kv_cache, torch.zeros(0, dtype=torch.int64, device=device))
+    assert not kv_cache.any()
