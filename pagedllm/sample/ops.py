@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.ops.triton import triton_usable
+
 _NEG_INF = float("-inf")
 
 
@@ -185,7 +187,12 @@ def apply_top_k_top_p(
 ) -> torch.Tensor:
     """top-k (`apply_top_k`), then top-p on what is left (`apply_top_p_sorted`); either may be
     None. On the CPU, where a full-vocabulary sort costs seconds for a large batch and reading
-    a flag back is free, top-p first tries `apply_top_k_top_p_partial`."""
+    a flag back is free, top-p first tries `apply_top_k_top_p_partial`; on CUDA one Triton
+    kernel masks both without sorting (`ops/triton/top_k_top_p.py`)."""
+    if logits.device.type == "cuda" and triton_usable(logits.device):
+        from pagedllm.ops.triton.top_k_top_p import apply_top_k_top_p_triton
+
+        return apply_top_k_top_p_triton(logits, top_k, top_p)
     if top_p is not None and logits.device.type == "cpu":
         partial = apply_top_k_top_p_partial(logits, top_k, top_p, max_top_k)
         if partial is not None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagedllm.ops.triton import triton_usable
 from pagedllm.sample import ops
 from pagedllm.sample.logprobs import LogprobsTensors, gather_logprobs
 from pagedllm.sample.metadata import SamplingMetadata
@@ -122,24 +123,17 @@ class RejectionSampler(nn.Module):
                 return greedy, is_draft_row & (drafts == greedy)
 
         probs = target_probs(processed, metadata)  # [T, V]
-        p_draft = probs.gather(1, drafts[:, None]).squeeze(1)  # [T]
-        if draft_probs is None:
-            q_draft = torch.ones_like(p_draft)
-            # max(p - onehot(d), 0) is p with d removed.
-            residual = probs.scatter(1, drafts[:, None], 0.0)
-        else:
-            q = draft_probs.to(torch.float32)
-            q_draft = q.gather(1, drafts[:, None]).squeeze(1)
-            residual = (probs - q).clamp_min_(0.0)
-        # Bonus rows (and any row that cannot reject) sample p itself.
-        residual = torch.where(is_draft_row[:, None], residual, probs)
-        # A rejection is impossible where the residual is empty (p <= q everywhere, i.e.
-        # p == q): sampling it would pick an arbitrary token; accept instead.
-        empty = residual.sum(dim=-1) <= 0
+        uniform = ops.uniform(probs.shape[0], metadata.generators, processed.device)  # [T]
+        if probs.device.type == "cuda" and triton_usable(probs.device):
+            from pagedllm.ops.triton.rejection_sample import accept_and_recover
 
-        uniform = ops.uniform(p_draft.shape[0], metadata.generators, processed.device)  # [T]
-        accept = is_draft_row & ((uniform * q_draft < p_draft) | empty)
-        recovered = ops.random_sample(residual, metadata.generators)  # [T]
+            u_recover = ops.uniform(probs.shape[0], metadata.generators, probs.device)
+            args = (probs, drafts, is_draft_row, draft_probs, uniform, u_recover)
+            accept, recovered = accept_and_recover(*args)
+        else:
+            accept, recovered = accept_and_recover_torch(
+                probs, drafts, is_draft_row, draft_probs, uniform, metadata.generators
+            )
         emitted = torch.where(accept, drafts, recovered)
         if greedy is None:
             return emitted, accept
@@ -148,6 +142,34 @@ class RejectionSampler(nn.Module):
             torch.where(is_greedy, greedy, emitted),
             torch.where(is_greedy, is_draft_row & (drafts == greedy), accept),
         )
+
+
+def accept_and_recover_torch(
+    probs: torch.Tensor,  # [T, V] target probabilities
+    drafts: torch.Tensor,  # [T]
+    is_draft_row: torch.Tensor,  # [T] bool
+    draft_probs: torch.Tensor | None,  # [T, V] q, or None: one-hot on the draft
+    uniform: torch.Tensor,  # [T] U[0, 1): accept d when uniform * q(d) < p(d)
+    generators: dict[int, torch.Generator],  # the recovered draw's uniforms come from here
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (draft accepted [T] bool, token emitted on rejection [T]). The PyTorch path of
+    `ops/triton/rejection_sample.py` (its docstring states the step)."""
+    p_draft = probs.gather(1, drafts[:, None]).squeeze(1)  # [T]
+    if draft_probs is None:
+        q_draft = torch.ones_like(p_draft)
+        # max(p - onehot(d), 0) is p with d removed.
+        residual = probs.scatter(1, drafts[:, None], 0.0)
+    else:
+        q = draft_probs.to(torch.float32)
+        q_draft = q.gather(1, drafts[:, None]).squeeze(1)
+        residual = (probs - q).clamp_min_(0.0)
+    # Bonus rows (and any row that cannot reject) sample p itself.
+    residual = torch.where(is_draft_row[:, None], residual, probs)
+    # A rejection is impossible where the residual is empty (p <= q everywhere, i.e.
+    # p == q): sampling it would pick an arbitrary token; accept instead.
+    empty = residual.sum(dim=-1) <= 0
+    accept = is_draft_row & ((uniform * q_draft < p_draft) | empty)
+    return accept, ops.random_sample(residual, generators)
 
 
 def target_probs(processed: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
