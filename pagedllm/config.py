@@ -129,7 +129,7 @@ class CacheConfig:
 
     block_size: int = 16
     enable_prefix_caching: bool = True
-    kv_cache_memory_bytes: int | None = None  # CPU KV-cache size; None -> default below
+    kv_cache_memory_bytes: int | None = None  # bytes; None -> CPU default / GPU profiling
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     num_blocks: int | None = None

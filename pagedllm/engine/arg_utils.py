@@ -310,8 +310,10 @@ _HELP = {
     "generation_config": "'auto' (the model's generation_config.json), 'vllm' (none: built-in "
     "defaults) or a folder holding a generation_config.json.",
     "max_logprobs": "Most logprobs / prompt_logprobs a request may ask for (-1: no limit).",
-    "kv_cache_memory_bytes": "KV-cache size in bytes on the CPU, e.g. 4G (alias: "
-    "--kv-cache-memory).",
+    "kv_cache_memory_bytes": "KV-cache size in bytes, e.g. 4G (alias: --kv-cache-memory); on a "
+    "GPU it replaces the profiling of --gpu-memory-utilization.",
+    "gpu_memory_utilization": "Fraction of the GPU's memory this engine may use (weights, "
+    "activations and KV cache); the KV cache gets what a profiling forward pass leaves.",
     "num_gpu_blocks_override": "Number of KV blocks, overriding the computed one.",
     "scheduling_policy": "fcfs or priority (lower value first).",
     "device": "auto, cpu or cuda.",

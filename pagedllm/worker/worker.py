@@ -9,6 +9,14 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched.output import SchedulerOutput
 from pagedllm.outputs import ModelRunnerOutput
+from pagedllm.worker.gpu_memory import (
+    CudaMemoryReader,
+    MemoryReader,
+    StartupMemory,
+    check_free_at_start,
+    profile_memory,
+    profile_run,
+)
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -17,50 +25,72 @@ logger = logging.getLogger(__name__)
 class Worker:
     """One process's share of the model. With tensor parallelism there is one per rank."""
 
-    def __init__(self, config: EngineConfig, rank: int = 0, local_rank: int = 0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        rank: int = 0,
+        local_rank: int = 0,
+        memory_reader: MemoryReader | None = None,
+    ) -> None:
+        """`memory_reader`: where GPU memory is read for sizing the KV cache (on CUDA the
+        device's own by default; tests pass a fake one on the CPU). Without one the KV cache
+        is sized by `kv_cache_memory_bytes`."""
         self.config = config
         self.rank = rank
         self.local_rank = local_rank
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None
+        self.memory_reader = memory_reader
+        self.memory_at_start: StartupMemory | None = None
+        self.weights_memory = 0  # device bytes the weights took
 
     def init_device(self) -> None:
         device_type = self.config.device_config.device
         if device_type == "cuda":
             self.device = torch.device(f"cuda:{self.local_rank}")
             torch.cuda.set_device(self.device)
+            self.memory_reader = self.memory_reader or CudaMemoryReader(self.device)
         else:
             self.device = torch.device("cpu")
+        if self.memory_reader is not None:
+            utilization = self.config.cache_config.gpu_memory_utilization
+            self.memory_at_start = check_free_at_start(self.memory_reader, utilization)
         # Unseeded random sampling draws from the global generator: seed it once.
         torch.manual_seed(self.config.model_config.seed)
         self.model_runner = ModelRunner(self.config, self.device)
 
     def load_model(self) -> None:
+        before = self.memory_reader.memory_allocated() if self.memory_reader else 0
         self.model_runner.load_model()
+        if self.memory_reader is not None:
+            self.weights_memory = self.memory_reader.memory_allocated() - before
 
     def determine_num_kv_blocks(self) -> int:
-        """How many KV blocks fit: an explicit override, the CPU byte budget, or what the GPU
-        has left after the weights and a profiling forward pass. The default CPU budget is
-        capped at what the scheduler can ever hold at once (max_num_seqs requests of
-        max_model_len tokens): a small model never reserves the whole default."""
+        """How many KV blocks fit: `num_gpu_blocks_override`, else `kv_cache_memory_bytes`,
+        else on a GPU what `gpu_memory_utilization` leaves after the weights and a profiling
+        forward pass (worker/gpu_memory.py), else the CPU default, capped at what the
+        scheduler can ever hold at once (max_num_seqs requests of max_model_len tokens): a
+        small model never reserves the whole default."""
         cache = self.config.cache_config
         per_block = self.model_runner.kv_cache_bytes_per_block()
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used_now = total - free
-            budget = int(total * cache.gpu_memory_utilization) - used_now
-            # Leave room for the activations of one full-budget step (a rough upper bound).
-            mc = self.config.model_config
-            act = (
-                self.config.scheduler_config.max_num_batched_tokens
-                * (mc.hidden_size * 8 + mc.vocab_size)
-                * 4
-            )
-            return max(budget - act, 0) // per_block
         if cache.kv_cache_memory_bytes is not None:
             return cache.kv_cache_memory_bytes // per_block
+        if self.memory_reader is not None:
+            sched = self.config.scheduler_config
+            profile = profile_memory(
+                self.memory_reader,
+                cache.gpu_memory_utilization,
+                self.memory_at_start,
+                self.weights_memory,
+                lambda: profile_run(
+                    self.model_runner, sched.max_num_batched_tokens, sched.max_num_seqs
+                ),
+            )
+            num_blocks = max(profile.kv_cache_bytes, 0) // per_block
+            logger.info(profile.describe(num_blocks))
+            return num_blocks
         sched = self.config.scheduler_config
         # +1 block a request: speculative tokens may reach one block past max_model_len.
         usable = sched.max_num_seqs * (-(-sched.max_model_len // cache.block_size) + 1)
