@@ -292,6 +292,39 @@ class KVTransferConfig:
 
 
 @dataclass
+class CompilationConfig:
+    """vLLM's `compilation_config` (`--compilation-config '{"cudagraph_capture_sizes": ...}'`):
+    the decode batch sizes captured in CUDA graphs (worker/cuda_graph.py). None: vLLM's
+    default list (1, 2, 4, 8, 16, ... 256, 272, ... 512) up to `max_cudagraph_capture_size`,
+    cut at the first size holding max_num_seqs requests."""
+
+    cudagraph_capture_sizes: list[int] | None = None
+    max_cudagraph_capture_size: int | None = None
+
+    def __post_init__(self) -> None:
+        sizes = self.cudagraph_capture_sizes
+        if sizes is not None and (
+            not isinstance(sizes, list) or not all(isinstance(s, int) and s > 0 for s in sizes)
+        ):
+            raise ValueError(f"cudagraph_capture_sizes={sizes!r} must be a list of positive ints")
+        size = self.max_cudagraph_capture_size
+        if size is not None and (not isinstance(size, int) or size < 1):
+            raise ValueError(f"max_cudagraph_capture_size={size!r} must be a positive int")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> CompilationConfig:
+        """From `--compilation-config` JSON; an unknown key is a ValueError naming it."""
+        values = values or {}
+        known = {"cudagraph_capture_sizes", "max_cudagraph_capture_size"}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"compilation_config: unknown key(s) {unknown}; supported: {sorted(known)}"
+            )
+        return cls(**values)
+
+
+@dataclass
 class StructuredOutputsConfig:
     """Structured outputs in the engine core. With a `reasoning_parser` (vLLM's
     `--reasoning-parser`), a request's grammar applies only after its reasoning ends."""
@@ -310,6 +343,7 @@ class EngineConfig:
     device_config: DeviceConfig
     enforce_eager: bool = False
     attention_backend: str | None = None  # None: the device's default (attention/selector.py)
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     structured_outputs_config: StructuredOutputsConfig = field(
         default_factory=StructuredOutputsConfig
     )

@@ -14,6 +14,7 @@ from typing import Any
 
 from pagedllm.config import (
     CacheConfig,
+    CompilationConfig,
     DeviceConfig,
     EngineConfig,
     KVTransferConfig,
@@ -55,6 +56,7 @@ class EngineArgs:
     device: str = "auto"
     enforce_eager: bool = False
     attention_backend: str | None = None
+    compilation_config: dict[str, Any] | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -175,6 +177,7 @@ class EngineArgs:
             device_config=device_config,
             enforce_eager=self.enforce_eager,
             attention_backend=self.attention_backend,
+            compilation_config=CompilationConfig.from_dict(self.compilation_config),
             structured_outputs_config=StructuredOutputsConfig(self.reasoning_parser),
             kv_transfer_config=kv_transfer_config,
             extra=extra,
@@ -234,7 +237,7 @@ class EngineArgs:
                 )
             elif f.name == "quantization":
                 group.add_argument(*flags, "-q", choices=["int8"], default=None, help=help_text)
-            elif f.name in ("speculative_config", "kv_transfer_config"):
+            elif f.name in ("speculative_config", "kv_transfer_config", "compilation_config"):
                 group.add_argument(*flags, type=json.loads, default=None, help=help_text)
             elif f.name == "served_model_name":
                 group.add_argument(*flags, nargs="+", default=None, help=help_text)
@@ -322,6 +325,8 @@ _HELP = {
     "on the CPU; also $PAGEDLLM_ATTENTION_BACKEND).",
     "reasoning_parser": "Split reasoning from content (deepseek_r1, qwen3); structured "
     "outputs apply after the reasoning.",
+    "compilation_config": "JSON, e.g. '{\"cudagraph_capture_sizes\": [1, 2, 4, 8]}' (CUDA "
+    "graphs of decode batches).",
     "speculative_config": 'JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'.',
     "kv_transfer_config": (
         'JSON, e.g. \'{"kv_connector": "OffloadingConnector", "kv_role": "kv_both", '

@@ -105,14 +105,14 @@ CHAT_TEMPLATE = (
     "{{ '<|system|>\\n# Tools\\n<tools>\\n' }}"
     "{% for tool in tools %}{{ (tool.function if tool.function is defined else tool) | tojson }}"
     "{{ '\\n' }}{% endfor %}"
-    "{{ '</tools>\\nCall a tool with <tool_call>\\n{\"name\": NAME, \"arguments\": ARGS}"
+    '{{ \'</tools>\\nCall a tool with <tool_call>\\n{"name": NAME, "arguments": ARGS}'
     "\\n</tool_call><|end|>\\n' }}"
     "{% endif %}"
     "{% for message in messages %}"
     "{{ '<|' + message['role'] + '|>\\n' + (message['content'] or '') }}"
     "{% for call in message.tool_calls or [] %}"
     "{% set fn = call.function if call.function is defined else call %}"
-    "{{ '<tool_call>\\n{\"name\": \"' + fn.name + '\", \"arguments\": ' }}"
+    '{{ \'<tool_call>\\n{"name": "\' + fn.name + \'", "arguments": \' }}'
     "{{ (fn.arguments if fn.arguments is string else fn.arguments | tojson) + '}\\n</tool_call>' }}"
     "{% endfor %}"
     "{{ '<|end|>\\n' }}"
@@ -369,8 +369,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="TOKEN",
-        help="end the vocabulary with TOKEN as one non-special token, e.g. '<think>' "
-        "(repeatable)",
+        help="end the vocabulary with TOKEN as one non-special token, e.g. '<think>' (repeatable)",
     )
     parser.add_argument(
         "--override",

@@ -46,6 +46,7 @@ from pagedllm.spec_decode.proposer import DraftBatch, make_proposer, run_propose
 from pagedllm.spec_decode.rejection_sampler import RejectionSampler
 from pagedllm.spec_decode.verifier import verification_rows, verify_and_sample
 from pagedllm.structured_output.bitmask import apply_grammar_bitmask
+from pagedllm.worker.cuda_graph import CUDAGraphRunner, capture_sizes, use_cuda_graphs
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,7 @@ class ModelRunner:
         self.attn_backend = get_attn_backend(device, self.dtype, config.attention_backend)
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self.cuda_graphs: CUDAGraphRunner | None = None  # captured mode (capture_model)
         # Speculative decoding (spec_decode/): a proposer drafts, the RejectionSampler verifies.
         spec = get_speculative_config(config)
         self.drafter = make_proposer(config, spec, device) if spec is not None else None
@@ -161,6 +163,22 @@ class ModelRunner:
     def shutdown(self) -> None:
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
+
+    def capture_model(self) -> None:
+        """Capture the decode forward in CUDA graphs (worker/cuda_graph.py) where captured
+        mode applies: on CUDA, without enforce_eager, with a capturable attention backend."""
+        if not use_cuda_graphs(self.config, self.device, self.attn_backend):
+            return
+        self.cuda_graphs = CUDAGraphRunner(
+            lambda inputs, meta: self.model(inputs["input_ids"], inputs["positions"], meta),
+            self.attn_backend,
+            capture_sizes(self.config),
+            {"input_ids": (torch.int64, ()), "positions": (torch.int64, ())},
+            max_blocks_per_req=-(-self.config.model_config.max_model_len // self.block_size),
+            block_size=self.block_size,
+            device=self.device,
+        )
+        self.cuda_graphs.capture()
 
     # ---- per-step state ---------------------------------------------------------------------
 
@@ -209,8 +227,8 @@ class ModelRunner:
         if so.blocks_to_copy:
             self._copy_blocks(so)
         step = self._step_batch(so)
-        attn_meta, input_ids, positions = self._prepare_inputs(step)
-        hidden = self.model(input_ids, positions, attn_meta)  # [T, hidden]
+        common, input_ids, positions = self._prepare_inputs(step)
+        hidden = self._forward(common, input_ids, positions)  # [T, hidden]
 
         # A request samples when this step's tokens reach the end of its known tokens; one with
         # draft tokens verifies them and may emit up to k + 1 (see _sample_tokens).
@@ -345,7 +363,21 @@ class ModelRunner:
             step.states[i].draft_probs = proposal.probs[i]
         return proposal.token_ids
 
-    def _prepare_inputs(self, step: _StepBatch) -> tuple[object, torch.Tensor, torch.Tensor]:
+    def _forward(
+        self, common: CommonAttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """The model's hidden states [T, hidden]: a captured CUDA graph's replay for a decode
+        batch that fits one, else an eager forward."""
+        graphs = self.cuda_graphs
+        size = graphs.size_for(common) if graphs is not None else None
+        if size is not None:
+            inputs = {"input_ids": input_ids, "positions": positions}
+            return graphs.run(size, inputs, common)
+        return self.model(input_ids, positions, self.attn_backend.build_metadata(common))
+
+    def _prepare_inputs(
+        self, step: _StepBatch
+    ) -> tuple[CommonAttentionMetadata, torch.Tensor, torch.Tensor]:
         tokens: list[int] = []
         spans = zip(step.states, step.start.tolist(), step.num_sched.tolist(), step.drafts)
         for s, a, n, drafts in spans:
@@ -358,7 +390,7 @@ class ModelRunner:
             step.block_table, step.start, step.num_sched, self.block_size, dev
         )
         return (
-            self.attn_backend.build_metadata(common),
+            common,
             torch.from_numpy(np.asarray(tokens, dtype=np.int64)).to(dev),
             torch.from_numpy(positions).to(dev),
         )

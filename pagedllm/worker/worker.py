@@ -107,7 +107,9 @@ class Worker:
         return num_blocks
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the KV cache, then capture the decode CUDA graphs over it (CUDA only)."""
         self.model_runner.initialize_kv_cache(num_blocks)
+        self.model_runner.capture_model()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
