@@ -293,15 +293,29 @@ class KVTransferConfig:
 
 @dataclass
 class CompilationConfig:
-    """vLLM's `compilation_config` (`--compilation-config '{"cudagraph_capture_sizes": ...}'`):
-    the decode batch sizes captured in CUDA graphs (worker/cuda_graph.py). None: vLLM's
-    default list (1, 2, 4, 8, 16, ... 256, 272, ... 512) up to `max_cudagraph_capture_size`,
-    cut at the first size holding max_num_seqs requests."""
+    """vLLM's `compilation_config` (`--compilation-config '{"level": 3}'`).
 
+    `level` ("mode" in recent vLLM): 0 eager, 3 piecewise torch.compile of the model
+    (compilation/compile.py) with Inductor (`backend`) and its cache under `cache_dir`.
+    `cudagraph_capture_sizes`: the decode batch sizes captured in CUDA graphs
+    (worker/cuda_graph.py); None: vLLM's default list (1, 2, 4, 8, 16, ... 256, 272, ...)
+    up to `max_cudagraph_capture_size` (512), cut at the first size holding max_num_seqs.
+    """
+
+    level: int = 0
+    backend: str = "inductor"
+    cache_dir: str | None = None
     cudagraph_capture_sizes: list[int] | None = None
     max_cudagraph_capture_size: int | None = None
 
+    LEVELS = (0, 3)
+
     def __post_init__(self) -> None:
+        if self.level not in self.LEVELS:
+            raise ValueError(
+                f"compilation_config level={self.level!r} is not supported; use 0 (eager) "
+                "or 3 (piecewise torch.compile)"
+            )
         sizes = self.cudagraph_capture_sizes
         if sizes is not None and (
             not isinstance(sizes, list) or not all(isinstance(s, int) and s > 0 for s in sizes)
@@ -312,10 +326,17 @@ class CompilationConfig:
             raise ValueError(f"max_cudagraph_capture_size={size!r} must be a positive int")
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any] | None) -> CompilationConfig:
-        """From `--compilation-config` JSON; an unknown key is a ValueError naming it."""
-        values = values or {}
-        known = {"cudagraph_capture_sizes", "max_cudagraph_capture_size"}
+    def from_dict(cls, values: dict[str, Any] | int | None) -> CompilationConfig:
+        """From `--compilation-config` JSON (a bare int is the level); `mode` is read as
+        `level`; an unknown key is a ValueError naming it."""
+        if isinstance(values, int):
+            values = {"level": values}
+        values = dict(values or {})
+        if "mode" in values:
+            if "level" in values and values["level"] != values["mode"]:
+                raise ValueError(f"compilation_config: mode and level differ: {values}")
+            values["level"] = values.pop("mode")
+        known = {f for f in cls.__dataclass_fields__}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(

@@ -25,6 +25,7 @@ from pagedllm.attention.layer import (
     kv_cache_bytes_per_block,
 )
 from pagedllm.attention.selector import get_attn_backend
+from pagedllm.compilation.compile import compile_model
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched.output import SchedulerOutput
 from pagedllm.distributed.kv_transfer.base import (
@@ -133,6 +134,7 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self.model = get_model(self.config)
+        compile_model(self.model, self.config.compilation_config)
         if not get_attention_layers(self.model):
             raise RuntimeError("the model has no Attention layers to bind a KV cache to")
         if self.drafter is not None:

@@ -1,0 +1,1 @@
+"""torch.compile of the model (`compile.py`), driven by `compilation_config`."""
