@@ -7,7 +7,8 @@ process on a small built-in English corpus. The weights are seeded and scaled so
 logits have a spread of a few units (greedy decoding is not decided by rounding noise).
 
 Presets: `tiny` (tests), `demo` (the built-in model `make serve` uses), `llama-125m`
-(benchmarks). Any transformers config field can be overridden by keyword.
+(CPU benchmarks), `llama-1b` (GPU benchmarks). Any transformers config field can be
+overridden by keyword.
 """
 
 from __future__ import annotations
@@ -48,6 +49,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=32000,
         max_position_embeddings=4096,
         tie_word_embeddings=False,
+    ),
+    # Llama-3.2-1B's shape (1.24B parameters): the GPU benchmarks' model.
+    "llama-1b": dict(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=8192,
+        vocab_size=128256,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
     ),
 }
 
@@ -315,11 +327,12 @@ def make_demo_model(
     """Write a complete random-weight checkpoint (weights, config, generation config and
     tokenizer) to `path` and return it as a string.
 
-    `preset`: "tiny" (default), "demo" or "llama-125m"; `**overrides` set any transformers
-    config field (e.g. `rope_scaling`/`rope_parameters`, `head_dim`, `tie_word_embeddings`,
-    `num_key_value_heads`, `vocab_size`). `max_shard_size` (e.g. "200KB") splits the weights
-    into several safetensors files with an index. `added_tokens` end the tokenizer's
-    vocabulary as single non-special tokens (e.g. THINK_AND_TOOL_TOKENS).
+    `preset`: "tiny" (default), "demo", "llama-125m" or "llama-1b"; `**overrides` set any
+    transformers config field (e.g. `rope_scaling`/`rope_parameters`, `head_dim`,
+    `tie_word_embeddings`, `num_key_value_heads`, `vocab_size`). `max_shard_size` (e.g.
+    "200KB") splits the weights into several safetensors files with an index.
+    `added_tokens` end the tokenizer's vocabulary as single non-special tokens (e.g.
+    THINK_AND_TOOL_TOKENS).
     """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
