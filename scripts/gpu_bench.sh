@@ -11,7 +11,9 @@
 #
 # On the GPU machine pagedllm runs from this checkout (PYTHONPATH) on the machine's own torch
 # and triton; nothing is installed but the carried wheels. Results (logs, JSON) go to OUT
-# (default $OUT, else ./gpu-bench-out). Each `bench` run alternates the engines, 3 runs each.
+# (default $OUT, else ./gpu-bench-out). `bench` alternates the engines, RUNS (3) times each;
+# WORKLOADS (mixed 64x128 batch1) and ENGINES (pagedllm pagedllm-eager pagedllm-compiled
+# vllm) pick a part, to fit a call's time limit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 step="${1:-}"
@@ -71,18 +73,23 @@ bench)
         fi
     }
     for run in $(seq 1 "$runs"); do
-        for engine in "${engines[@]}"; do
-            # Offline throughput, mixed workload: 256 prompts, 32-512 in, 16-256 out.
-            bench "$engine" throughput mixed --dataset-name random --input-len 272 \
-                --output-len 136 --random-range-ratio 0.8823529411764706 --num-prompts 256
-            # 64 sequences of 128 in / 128 out.
-            bench "$engine" throughput 64x128 --dataset-name random --input-len 128 \
-                --output-len 128 --random-range-ratio 0 --num-prompts 64
-            # Batch-1 decode: time per output token.
-            bench "$engine" latency batch1 --batch-size 1 --input-len 32 --output-len 128 \
-                --num-iters-warmup 2 --num-iters 5
+        for workload in ${WORKLOADS:-mixed 64x128 batch1}; do
+            for engine in ${ENGINES:-${engines[*]}}; do
+                case "$workload" in
+                mixed)  # offline throughput: 256 prompts, 32-512 in, 16-256 out
+                    bench "$engine" throughput mixed --dataset-name random --input-len 272 \
+                        --output-len 136 --random-range-ratio 0.8823529411764706 \
+                        --num-prompts 256 ;;
+                64x128)  # 64 sequences of 128 in / 128 out
+                    bench "$engine" throughput 64x128 --dataset-name random --input-len 128 \
+                        --output-len 128 --random-range-ratio 0 --num-prompts 64 ;;
+                batch1)  # batch-1 decode: time per output token
+                    bench "$engine" latency batch1 --batch-size 1 --input-len 32 \
+                        --output-len 128 --num-iters-warmup 2 --num-iters 5 ;;
+                esac
+            done
         done
-    done 2>&1 | tee "$out/bench.log"
+    done 2>&1 | tee -a "$out/bench.log"
     ;;
 *)
     echo "usage: $0 wheels | tests [OUT] | bench [OUT]" >&2

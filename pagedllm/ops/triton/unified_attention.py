@@ -37,8 +37,9 @@ _TILE = 32
 @triton.jit
 def _find_seq(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
     """The request owning program `q_block`: the last s with qsl[s] // BLOCK_Q + s <= q_block."""
-    lo = 0
-    hi = num_seqs
+    # int32 tensors from the start: loop-carried values keep one type when compiled.
+    lo = tl.zeros([], dtype=tl.int32)
+    hi = tl.zeros([], dtype=tl.int32) + num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
         start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
@@ -192,6 +193,6 @@ def unified_attention(
         BLOCK_Q=block_q,
         TILE=_TILE,
         # fp32 inputs: full-precision dots (Triton's default for fp32 is TF32).
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
     )
     return out
