@@ -165,7 +165,7 @@ def test_matches_reference_fp32(device, scenario, block_size, num_heads, num_kv_
         device=device,
         seed=block_size + num_heads + num_kv_heads + head_size,
     )
-    check(batch, run(batch, get_attn_backend(device)))
+    check(batch, run(batch, TorchAttentionBackend()))
 
 
 @pytest.mark.parametrize("device", DEVICES)
