@@ -57,8 +57,8 @@ def test_capture_sizes_from_compilation_config(make_engine_config, tiny_llama_di
     assert capture_sizes(config) == [1, 2, 4, 8]
     config.compilation_config = CompilationConfig(cudagraph_capture_sizes=[8, 3, 3, 1])
     assert capture_sizes(config) == [1, 3, 8]
-    with pytest.raises(ValueError, match="unknown key.*'level'"):
-        CompilationConfig.from_dict({"level": 3})
+    config.compilation_config = CompilationConfig(max_cudagraph_capture_size=2)
+    assert capture_sizes(config) == [1, 2]
     with pytest.raises(ValueError, match="cudagraph_capture_sizes"):
         CompilationConfig(cudagraph_capture_sizes=[0, 4])
 
@@ -135,33 +135,45 @@ def test_replay_reads_the_batch_copied_in_place_with_padding():
     assert runner.num_replays == 3
 
 
-def test_engine_replays_decode_batches_with_unchanged_output(tiny_llama_dir, monkeypatch):
-    """The engine in captured mode (TRITON_ATTN in the interpreter, replays re-running the
-    forward over the persistent buffers) emits the eager engine's greedy tokens."""
+def _captured_vs_eager(model_dir, monkeypatch, eager_kwargs, **kwargs):
+    """Greedy tokens of an eager engine and of a captured-mode one on the same prompts (a
+    decode batch of 3 pads to 4); returns them and the captured engine's graph runner."""
     from pagedllm import LLM, SamplingParams
 
-    if not triton_usable("cpu"):
-        pytest.skip("Triton's interpreter is off (TRITON_INTERPRET)")
     monkeypatch.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")
-    prompts = [[7, 8, 9, 10, 11], list(range(40, 59)), [60, 61, 62]]
+    prompts = [{"prompt_token_ids": p} for p in ([7, 8, 9, 10, 11], list(range(40, 59)), [60])]
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    kwargs = dict(
-        model=tiny_llama_dir,
+    kwargs.update(
+        model=model_dir,
         dtype="float32",
-        attention_backend="TRITON_ATTN",
         num_gpu_blocks_override=16,
         max_model_len=64,
         max_num_seqs=4,
     )
-    eager = LLM(**kwargs).generate([{"prompt_token_ids": p} for p in prompts], params)
-    monkeypatch.setattr(model_runner, "CUDAGraphRunner", EagerReplayRunner)
-    monkeypatch.setattr(model_runner, "use_cuda_graphs", lambda *args: True)
+    eager = LLM(**eager_kwargs, **kwargs).generate(prompts, params)
     llm = LLM(**kwargs)
     graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.cuda_graphs
-    assert sorted(graphs.graphs) == [1, 2, 4]
-    captured = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    assert [o.outputs[0].token_ids for o in captured] == [o.outputs[0].token_ids for o in eager]
-    assert graphs.num_replays >= 4  # every decode step of the three requests (padded to 4)
+    assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4]
+    captured = llm.generate(prompts, params)
+    tokens = [[o.outputs[0].token_ids for o in outs] for outs in (eager, captured)]
+    return tokens, graphs
+
+
+def test_engine_replays_decode_batches_with_unchanged_output(tiny_llama_dir, monkeypatch):
+    """The engine in captured mode (TRITON_ATTN in the interpreter, replays re-running the
+    forward over the persistent buffers) emits the eager engine's greedy tokens."""
+    if not triton_usable("cpu"):
+        pytest.skip("Triton's interpreter is off (TRITON_INTERPRET)")
+    # Captured mode on the CPU, for every engine not built with enforce_eager.
+    monkeypatch.setattr(
+        model_runner, "use_cuda_graphs", lambda config, *a: not config.enforce_eager
+    )
+    monkeypatch.setattr(model_runner, "CUDAGraphRunner", EagerReplayRunner)
+    (eager, captured), graphs = _captured_vs_eager(
+        tiny_llama_dir, monkeypatch, {"enforce_eager": True}, attention_backend="TRITON_ATTN"
+    )
+    assert captured == eager
+    assert graphs.num_replays >= 4  # every decode step of the three requests
 
 
 @pytest.mark.gpu
@@ -169,25 +181,8 @@ def test_engine_replays_decode_batches_with_unchanged_output(tiny_llama_dir, mon
 def test_cuda_graph_replay_equals_eager_forward(tiny_llama_dir, monkeypatch):
     """On a GPU: the engine with real CUDA graphs emits the --enforce-eager engine's tokens,
     and replays happened."""
-    from pagedllm import LLM, SamplingParams
-
-    monkeypatch.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")
-    prompts = [[7, 8, 9, 10, 11], list(range(40, 59)), [60, 61, 62]]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    kwargs = dict(
-        model=tiny_llama_dir,
-        dtype="float32",
-        device="cuda",
-        max_num_seqs=4,
-        num_gpu_blocks_override=16,
-        max_model_len=64,
+    (eager, captured), graphs = _captured_vs_eager(
+        tiny_llama_dir, monkeypatch, {"enforce_eager": True}, device="cuda"
     )
-    eager = LLM(enforce_eager=True, **kwargs).generate(
-        [{"prompt_token_ids": p} for p in prompts], params
-    )
-    llm = LLM(**kwargs)
-    graphs = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.cuda_graphs
-    assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4]
-    captured = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    assert [o.outputs[0].token_ids for o in captured] == [o.outputs[0].token_ids for o in eager]
-    assert graphs.num_replays > 0
+    assert captured == eager
+    assert graphs.num_replays >= 4
