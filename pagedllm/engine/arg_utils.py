@@ -325,7 +325,7 @@ _HELP = {
     "on the CPU; also $PAGEDLLM_ATTENTION_BACKEND).",
     "reasoning_parser": "Split reasoning from content (deepseek_r1, qwen3); structured "
     "outputs apply after the reasoning.",
-    "compilation_config": "JSON, e.g. '{\"level\": 3, \"cudagraph_capture_sizes\": [1, 2, 4]}' "
+    "compilation_config": 'JSON, e.g. \'{"level": 3, "cudagraph_capture_sizes": [1, 2, 4]}\' '
     "(level 3: piecewise torch.compile; the decode batch sizes captured in CUDA graphs).",
     "speculative_config": 'JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'.',
     "kv_transfer_config": (
