@@ -316,6 +316,10 @@ class CompilationConfig:
                 f"compilation_config level={self.level!r} is not supported; use 0 (eager) "
                 "or 3 (piecewise torch.compile)"
             )
+        if self.level == 0 and (self.cache_dir is not None or self.backend != "inductor"):
+            raise ValueError(
+                "compilation_config backend / cache_dir apply to level 3 only (level is 0)"
+            )
         sizes = self.cudagraph_capture_sizes
         if sizes is not None and (
             not isinstance(sizes, list) or not all(isinstance(s, int) and s > 0 for s in sizes)
@@ -336,7 +340,7 @@ class CompilationConfig:
             if "level" in values and values["level"] != values["mode"]:
                 raise ValueError(f"compilation_config: mode and level differ: {values}")
             values["level"] = values.pop("mode")
-        known = {f for f in cls.__dataclass_fields__}
+        known = set(cls.__dataclass_fields__)
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(

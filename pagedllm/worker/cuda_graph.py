@@ -65,7 +65,8 @@ def capture_sizes(config: EngineConfig) -> list[int]:
 
 
 def use_cuda_graphs(config: EngineConfig, device: torch.device, backend: AttentionBackend) -> bool:
-    """Captured mode: on CUDA, unless enforce_eager, with a backend that can be captured."""
+    """Captured mode: on CUDA, unless enforce_eager, with a backend that can be captured and
+    at least one capture size (`cudagraph_capture_sizes=[]` turns it off, as in vLLM)."""
     if device.type != "cuda" or config.enforce_eager:
         return False
     if not getattr(backend, "supports_cuda_graph", False):
@@ -94,8 +95,7 @@ class CUDAGraphRunner:
         block_size: int,
         device: torch.device,
     ) -> None:
-        if not sizes or min(sizes) < 1:
-            raise ValueError(f"cudagraph_capture_sizes={sizes} must be positive batch sizes")
+        assert sizes and min(sizes) >= 1, sizes  # CompilationConfig validated them
         self.forward = forward
         self.backend = backend
         self.sizes = sorted(set(sizes))

@@ -78,5 +78,7 @@ def test_compilation_config_errors_name_the_value():
     assert CompilationConfig.from_dict({"mode": 3}).level == 3
     with pytest.raises(ValueError, match="level=1"):
         CompilationConfig.from_dict({"level": 1})
+    with pytest.raises(ValueError, match="level 3 only"):
+        CompilationConfig.from_dict({"cache_dir": "/tmp/x"})
     with pytest.raises(ValueError, match="unknown key.*'splitting_ops'"):
         CompilationConfig.from_dict({"splitting_ops": []})
