@@ -69,6 +69,9 @@ def test_captured_mode_only_on_cuda_without_enforce_eager(make_engine_config, ti
     assert use_cuda_graphs(config, cuda, CapturableBackend())
     assert not use_cuda_graphs(config, torch.device("cpu"), CapturableBackend())
     assert not use_cuda_graphs(config, cuda, TorchAttentionBackend())  # not capturable
+    config.compilation_config = CompilationConfig(cudagraph_capture_sizes=[])
+    assert not use_cuda_graphs(config, cuda, CapturableBackend())
+    config.compilation_config = CompilationConfig()
     config.enforce_eager = True
     assert not use_cuda_graphs(config, cuda, CapturableBackend())
 
