@@ -124,8 +124,9 @@ def test_cpu_without_reader_keeps_the_cpu_default(make_engine_config, tiny_llama
     worker.init_device()
     worker.load_model()
     assert worker.memory_reader is None and worker.device == torch.device("cpu")
+    sched, cache = config.scheduler_config, config.cache_config
+    usable = sched.max_num_seqs * (-(-sched.max_model_len // cache.block_size) + 1)
     per_block = worker.model_runner.kv_cache_bytes_per_block()
-    assert (
-        worker.determine_num_kv_blocks()
-        == config.cache_config.DEFAULT_CPU_KV_CACHE_BYTES // per_block
+    assert worker.determine_num_kv_blocks() == min(
+        cache.DEFAULT_CPU_KV_CACHE_BYTES // per_block, usable
     )
