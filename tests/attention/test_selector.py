@@ -4,8 +4,10 @@ clear errors for what cannot run."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagedllm.attention import selector
+from pagedllm.attention.cpu_backend import CpuAttentionBackend
 from pagedllm.attention.selector import ATTENTION_BACKEND_ENV, get_attn_backend
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 from pagedllm.engine.arg_utils import EngineArgs
@@ -14,6 +16,18 @@ from pagedllm.engine.arg_utils import EngineArgs
 def test_cpu_default_is_torch_sdpa(monkeypatch):
     monkeypatch.delenv(ATTENTION_BACKEND_ENV, raising=False)
     assert isinstance(get_attn_backend("cpu"), TorchAttentionBackend)
+
+
+def test_cpu_attn_explicitly(monkeypatch):
+    """CPU_ATTN: the native decode kernel, for bf16 caches on the CPU only."""
+    monkeypatch.delenv(ATTENTION_BACKEND_ENV, raising=False)
+    with pytest.raises(ValueError, match="CPU_ATTN.*bfloat16"):
+        get_attn_backend("cpu", torch.float32, "CPU_ATTN")
+    with pytest.raises(ValueError, match="CPU_ATTN"):
+        get_attn_backend("cuda", torch.bfloat16, "CPU_ATTN")
+    monkeypatch.setattr(selector, "cpu_ops", lambda: object())  # native ops available
+    assert isinstance(get_attn_backend("cpu", torch.bfloat16, "cpu_attn"), CpuAttentionBackend)
+    assert isinstance(get_attn_backend("cpu", torch.bfloat16), CpuAttentionBackend)  # default
 
 
 def test_cuda_default_is_triton_where_triton_runs(monkeypatch):
@@ -26,7 +40,7 @@ def test_cuda_default_is_triton_where_triton_runs(monkeypatch):
 
 def test_argument_wins_over_environment(monkeypatch):
     monkeypatch.setenv(ATTENTION_BACKEND_ENV, "TRITON_ATTN")
-    assert isinstance(get_attn_backend("cpu", "torch_sdpa"), TorchAttentionBackend)
+    assert isinstance(get_attn_backend("cpu", torch.bfloat16, "torch_sdpa"), TorchAttentionBackend)
 
 
 def test_environment_selects_triton_in_the_interpreter(monkeypatch):
@@ -40,11 +54,11 @@ def test_environment_selects_triton_in_the_interpreter(monkeypatch):
 def test_triton_on_cpu_without_interpreter_is_an_error(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_ATTN.*interpreter"):
-        get_attn_backend("cpu", "TRITON_ATTN")
+        get_attn_backend("cpu", attention_backend="TRITON_ATTN")
 
 
 def test_unknown_backend_names_the_value(tiny_llama_dir):
     with pytest.raises(ValueError, match="attention_backend='FLASH_ATTN'"):
-        get_attn_backend("cpu", "FLASH_ATTN")
+        get_attn_backend("cpu", attention_backend="FLASH_ATTN")
     with pytest.raises(ValueError, match="attention_backend='nope'"):
         EngineArgs(model=tiny_llama_dir, attention_backend="nope").create_engine_config()
