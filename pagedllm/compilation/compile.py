@@ -7,7 +7,8 @@ of the graphs (their backends pick kernels from per-step metadata in Python, whi
 would specialize on and recompile for), and each decoder block is compiled around them, with
 dynamic token counts; the blocks share one compiled code (no compile per layer). What a
 block runs besides attention (norms with their residual adds, the q/k/v and MLP GEMMs, rotary
-embedding, SiLU * up) is what Inductor fuses.
+embedding, SiLU * up) is what Inductor fuses. On the CPU, bf16 models run pagedllm's native
+kernels (`pagedllm/ops`) instead, which Dynamo cannot trace: level 3 there is an error.
 
 Inductor's FX-graph cache stays on and lives under `compilation_config.cache_dir` (default
 `$XDG_CACHE_HOME/pagedllm/torch_compile`, else `~/.cache/pagedllm/torch_compile`) instead of
@@ -25,6 +26,7 @@ from torch import nn
 
 from pagedllm.attention.layer import Attention
 from pagedllm.config import CompilationConfig
+from pagedllm.ops import cpu_ops
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +69,13 @@ def compile_model(model: nn.Module, config: CompilationConfig) -> None:
         raise ValueError(
             f"compilation_config level={config.level}: {type(model).__name__} has no "
             "decoder blocks with attention layers to compile around"
+        )
+    weight = next(model.parameters())
+    if weight.is_cpu and weight.dtype == torch.bfloat16 and cpu_ops() is not None:
+        raise ValueError(
+            f"compilation_config level={config.level}: on the CPU, bf16 models run pagedllm's "
+            "native kernels (pagedllm/ops), which torch.compile cannot trace and which already "
+            "fuse what it would; use level 0, dtype float32, or PAGEDLLM_CPU_KERNELS=0"
         )
     cache_dir = configure_compile_cache(config)
     for layer in model.modules():

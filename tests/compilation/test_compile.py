@@ -60,6 +60,16 @@ def test_level_0_leaves_the_model_alone(tiny_llama_dir, make_engine_config):
     assert all(getattr(b, "_compiled_call_impl", None) is None for b in decoder_blocks(model))
 
 
+def test_native_cpu_kernels_are_not_compiled(tiny_llama_dir, make_engine_config, monkeypatch):
+    from pagedllm.compilation import compile as compile_module
+    from pagedllm.models.loader import get_model
+
+    monkeypatch.setattr(compile_module, "cpu_ops", lambda: object())  # native ops available
+    model = get_model(make_engine_config(tiny_llama_dir, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="level=3.*PAGEDLLM_CPU_KERNELS=0"):
+        compile_model(model, CompilationConfig(level=3, backend="eager"))
+
+
 def test_cache_dir_default_and_environment(monkeypatch, tmp_path):
     import torch._inductor.config as inductor_config
     from torch._inductor.runtime.cache_dir_utils import cache_dir
