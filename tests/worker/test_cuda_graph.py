@@ -72,6 +72,9 @@ def test_captured_mode_only_on_cuda_without_enforce_eager(make_engine_config, ti
     config.compilation_config = CompilationConfig(cudagraph_capture_sizes=[])
     assert not use_cuda_graphs(config, cuda, CapturableBackend())
     config.compilation_config = CompilationConfig()
+    config.kv_transfer_config = object()  # a KV connector's hooks run per layer in Python
+    assert not use_cuda_graphs(config, cuda, CapturableBackend())
+    config.kv_transfer_config = None
     config.enforce_eager = True
     assert not use_cuda_graphs(config, cuda, CapturableBackend())
 
