@@ -8,6 +8,7 @@ re-read `config.json`.
 from __future__ import annotations
 
 import os
+import sys
 import uuid
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -185,23 +186,100 @@ class SchedulerConfig:
             )
 
 
+# distributed_executor_backend values (vLLM's): one process, worker processes on this machine,
+# Ray actors on a Ray cluster.
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+PP_LAYER_PARTITION_ENV = "PAGEDLLM_PP_LAYER_PARTITION"
+
+
 @dataclass
 class ParallelConfig:
+    """How one model is spread over processes: `tensor_parallel_size` ranks per pipeline
+    stage, `pipeline_parallel_size` stages, run by the `distributed_executor_backend`
+    executor (None until `resolve_executor_backend` picks the default)."""
+
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str | None = None
-    # Filled in per worker process.
-    rank: int = 0
+    # Decoder layers per pipeline stage (None: an even split), from PAGEDLLM_PP_LAYER_PARTITION.
+    pp_layer_partition: list[int] | None = None
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend={backend!r} is not supported; choose one of "
+                f"{list(EXECUTOR_BACKENDS)}"
+            )
+        if backend == "uni" and self.world_size > 1:
+            raise ValueError(
+                f"distributed_executor_backend='uni' runs one process, but tensor_parallel_size="
+                f"{self.tensor_parallel_size} x pipeline_parallel_size="
+                f"{self.pipeline_parallel_size} needs {self.world_size}; use 'mp' or 'ray'"
+            )
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def resolve_executor_backend(self, device: str) -> str:
+        """The backend, picking vLLM's default when none was given: 'uni' for one process,
+        'ray' when a Ray cluster is in use (RAY_ADDRESS set, or Ray already initialised in
+        this process) or the world needs more GPUs than this machine has, else 'mp'."""
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = _default_backend(self.world_size, device)
+        return self.distributed_executor_backend
+
+    def verify_with_model(self, model_config: ModelConfig) -> None:
+        """Check that the model splits as asked (before any worker starts): heads and MLP over
+        the tensor-parallel ranks, layers over the stages."""
+        from pagedllm.models.pipeline import pp_partition
+
+        tp = self.tensor_parallel_size
+        hf = model_config.hf_config
+        kv = model_config.num_kv_heads
+        checks = [
+            ("num_attention_heads", model_config.num_attention_heads),
+            ("intermediate_size", getattr(hf, "intermediate_size", tp)),
+        ]
+        for what, value in checks:
+            if value % tp:
+                raise ValueError(
+                    f"the model's {what}={value} is not divisible by tensor_parallel_size={tp}"
+                )
+        if kv % tp and tp % kv:
+            raise ValueError(
+                f"the model's num_key_value_heads={kv} and tensor_parallel_size={tp} must "
+                "divide one another (KV heads are split, or replicated over the ranks)"
+            )
+        pp_partition(model_config.num_layers, self.pipeline_parallel_size, self.pp_layer_partition)
+
+
+def _default_backend(world_size: int, device: str) -> str:
+    if world_size == 1:
+        return "uni"
+    ray = sys.modules.get("ray")  # never imported here: Ray is optional
+    if os.environ.get("RAY_ADDRESS") or (ray is not None and ray.is_initialized()):
+        return "ray"
+    if device == "cuda" and world_size > torch.cuda.device_count():
+        return "ray"
+    return "mp"
+
+
+def parse_pp_layer_partition(text: str | None) -> list[int] | None:
+    """PAGEDLLM_PP_LAYER_PARTITION ("5,7": layers of stage 0, stage 1, ...) -> counts."""
+    if not text:
+        return None
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"{PP_LAYER_PARTITION_ENV}={text!r} must be comma-separated layer counts, e.g. '5,7'"
+        ) from None
 
 
 @dataclass

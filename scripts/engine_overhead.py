@@ -23,7 +23,7 @@ MODEL_STAGES = ("model forward", "LM head")
 
 
 def main() -> None:
-    from pagedllm.engine.core_client import ENGINE_GLIBC_TUNABLES
+    from pagedllm.spawn import ENGINE_GLIBC_TUNABLES
 
     if "GLIBC_TUNABLES" not in os.environ:
         # The engine runs in this process here: give it the malloc settings a spawned engine

@@ -105,3 +105,5 @@ class EngineCoreRequestType(bytes, enum.Enum):
     ABORT = b"\x01"
     UTILITY = b"\x03"
     SHUTDOWN = b"\x04"
+    # Internal to the engine process (never on the wire): a worker of the executor died.
+    EXECUTOR_FAILED = b"\x05"

@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
 from pagedllm.config import (
+    PP_LAYER_PARTITION_ENV,
     CacheConfig,
     CompilationConfig,
     DeviceConfig,
@@ -22,6 +24,7 @@ from pagedllm.config import (
     ParallelConfig,
     SchedulerConfig,
     StructuredOutputsConfig,
+    parse_pp_layer_partition,
     resolve_dtype,
 )
 
@@ -146,7 +149,10 @@ class EngineArgs:
             pipeline_parallel_size=self.pipeline_parallel_size,
             data_parallel_size=self.data_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
+            pp_layer_partition=parse_pp_layer_partition(os.environ.get(PP_LAYER_PARTITION_ENV)),
         )
+        parallel_config.verify_with_model(model_config)
+        parallel_config.resolve_executor_backend(device_config.device)
         extra: dict[str, Any] = {}
         if self.speculative_config:
             from pagedllm.spec_decode.config import SpeculativeConfig
@@ -226,6 +232,7 @@ class EngineArgs:
             flags = ["--" + f.name.replace("_", "-")] + (
                 [aliases[f.name]] if f.name in aliases else []
             )
+            flags += _SHORT_FLAGS.get(f.name, ())
             default = f.default
             help_text = _HELP.get(f.name, "")
             if f.type in ("bool", bool):
@@ -298,6 +305,13 @@ def _cli_type(f: dataclasses.Field) -> Any:
     return str
 
 
+# vLLM's short spellings.
+_SHORT_FLAGS = {
+    "tensor_parallel_size": ("-tp",),
+    "pipeline_parallel_size": ("-pp",),
+    "quantization": ("-q",),
+}
+
 _HELP = {
     "tokenizer": "Tokenizer directory (default: the model directory).",
     "dtype": "auto, bfloat16, float16 or float32 (auto: bf16 on the CPU).",
@@ -327,6 +341,12 @@ _HELP = {
     "outputs apply after the reasoning.",
     "compilation_config": 'JSON, e.g. \'{"level": 3, "cudagraph_capture_sizes": [1, 2, 4]}\' '
     "(level 3: piecewise torch.compile; the decode batch sizes captured in CUDA graphs).",
+    "tensor_parallel_size": "Ranks each layer is split over (heads, MLP, vocabulary).",
+    "pipeline_parallel_size": "Stages the layers are split over (env "
+    "PAGEDLLM_PP_LAYER_PARTITION, e.g. '5,7', sets layers per stage; default: even).",
+    "distributed_executor_backend": "uni (one process), mp (a worker process per rank on this "
+    "machine) or ray (Ray actors; attaches to RAY_ADDRESS or starts a local cluster). Default: "
+    "uni for one rank, ray when a Ray cluster is in use, else mp.",
     "speculative_config": 'JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'.',
     "kv_transfer_config": (
         'JSON, e.g. \'{"kv_connector": "OffloadingConnector", "kv_role": "kv_both", '

@@ -3,18 +3,27 @@
 `step()` is the whole engine in three lines: the scheduler picks this step's tokens, the
 executor runs them, the scheduler folds the sampled tokens back into its requests and reports
 what is new. `EngineCoreProc` (core_proc.py) runs this same object in its own process.
+
+With pipeline parallelism (an executor with `max_concurrent_batches > 1`) `step()` keeps that
+many batches in flight instead (vLLM's batch queue): while the oldest batch is still in the
+pipeline it schedules and submits the next one, so every stage has work; the scheduler never
+puts a request in two in-flight batches.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+from concurrent.futures import Future
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.sched.output import SchedulerOutput
 from pagedllm.core.sched.scheduler import Scheduler
 from pagedllm.engine import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.executor.abstract import Executor
+from pagedllm.outputs import ModelRunnerOutput
 from pagedllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -39,6 +48,9 @@ class EngineCore:
         # Lazy: loads the tokenizer and xgrammar only when a structured request arrives.
         self.structured_output_manager = StructuredOutputManager(config)
         self.scheduler = Scheduler(config, self.structured_output_manager)
+        # Pipeline parallel: batches in flight, newest first (see the module docstring).
+        self.max_concurrent_batches = self.executor.max_concurrent_batches
+        self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
         logger.info(
             "EngineCore ready in %.1fs: %d KV blocks of %d tokens (%d tokens)",
             time.monotonic() - t0,
@@ -70,10 +82,18 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        """Whether stepping has work: requests, or KV transfers a connector still moves."""
-        return self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_kv_transfers()
+        """Whether stepping has work: requests, batches in flight, or KV transfers a connector
+        still moves."""
+        sched = self.scheduler
+        return (
+            sched.has_unfinished_requests()
+            or bool(self.batch_queue)
+            or sched.has_pending_kv_transfers()
+        )
 
     def step(self) -> EngineCoreOutputs:
+        if self.max_concurrent_batches > 1:
+            return self._step_with_batch_queue()
         if not self.scheduler.has_requests():
             return EngineCoreOutputs(outputs=[], scheduler_stats=self.scheduler.make_stats())
         scheduler_output = self.scheduler.schedule()
@@ -81,6 +101,25 @@ class EngineCore:
         if scheduler_output.is_empty and self.scheduler.kv_transfer is not None:
             time.sleep(_KV_TRANSFER_POLL_S)
         return self.scheduler.update_from_output(scheduler_output, model_output)
+
+    def _step_with_batch_queue(self) -> EngineCoreOutputs:
+        """Submit a new batch while there is room and something to run; otherwise (or when
+        the oldest batch is already done) wait for the oldest and fold its output back. A call
+        that only submitted returns no outputs and no stats."""
+        queue = self.batch_queue
+        submitted = False
+        if len(queue) < self.max_concurrent_batches and self.scheduler.has_requests():
+            so = self.scheduler.schedule()
+            # An empty batch still tells the workers which requests finished.
+            if so.total_num_scheduled_tokens or so.finished_req_ids or so.preempted_req_ids:
+                queue.appendleft((self.executor.execute_model(so, non_block=True), so))
+                submitted = so.total_num_scheduled_tokens > 0
+        if not queue:
+            return EngineCoreOutputs(outputs=[], scheduler_stats=self.scheduler.make_stats())
+        if submitted and len(queue) < self.max_concurrent_batches and not queue[-1][0].done():
+            return EngineCoreOutputs(outputs=[])
+        future, so = queue.pop()
+        return self.scheduler.update_from_output(so, future.result())
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

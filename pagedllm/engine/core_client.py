@@ -14,7 +14,6 @@ turned into `EngineDeadError` for every pending and every new call.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -22,12 +21,10 @@ import multiprocessing.util
 import os
 import queue
 import shutil
-import sys
 import tempfile
 import threading
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -43,6 +40,7 @@ from pagedllm.engine.core_proc import (
     run_engine_core,
 )
 from pagedllm.engine.exceptions import EngineDeadError
+from pagedllm.spawn import main_module_hidden, model_process_env
 
 logger = logging.getLogger(__name__)
 
@@ -140,50 +138,6 @@ class InprocClient(EngineCoreClient):
         self.engine_core.shutdown()
 
 
-@contextlib.contextmanager
-def _main_module_hidden(engine_core_cls: type | None) -> Iterator[None]:
-    """Keep `spawn` from re-running the user's `__main__` in the engine process.
-
-    The engine process needs nothing from `__main__` (its target and the config live in
-    importable modules), and re-running it would start a second engine from a script that
-    builds an `LLM` at top level without an `if __name__ == "__main__":` guard. An
-    `engine_core_cls` defined in `__main__` does need it, so it is left alone then."""
-    main = sys.modules.get("__main__")
-    if main is None or getattr(engine_core_cls, "__module__", None) == "__main__":
-        yield
-        return
-    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
-    main.__dict__.pop("__file__", None)
-    main.__dict__["__spec__"] = None
-    try:
-        yield
-    finally:
-        main.__dict__.pop("__spec__", None)
-        main.__dict__.update(saved)
-
-
-# glibc malloc settings for the engine process: keep freed chunks up to 32 MiB in the heap and
-# never trim it, so the model's large per-layer temporaries are reused instead of being mmap'd,
-# page-faulted and unmapped again on every layer (3x fewer page faults on CPU prefill; see
-# BENCHMARKS.md). A user's own GLIBC_TUNABLES wins.
-ENGINE_GLIBC_TUNABLES = (
-    "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=17179869184"
-)
-
-
-@contextlib.contextmanager
-def _engine_process_env() -> Iterator[None]:
-    """Environment the spawned engine process starts with (spawn copies os.environ)."""
-    if "GLIBC_TUNABLES" in os.environ:
-        yield
-        return
-    os.environ["GLIBC_TUNABLES"] = ENGINE_GLIBC_TUNABLES
-    try:
-        yield
-    finally:
-        os.environ.pop("GLIBC_TUNABLES", None)
-
-
 class _EngineProcHandle:
     """Everything needed to stop an engine process, held apart from the client so that a
     `multiprocessing.util.Finalize` can stop it at interpreter exit without keeping the client
@@ -272,7 +226,7 @@ class MPClient(EngineCoreClient):
             self._output_socket.setsockopt(zmq.LINGER, 0)
             self._output_socket.setsockopt(zmq.RCVHWM, 0)
             self._output_socket.bind(output_address)
-            with _main_module_hidden(engine_core_cls), _engine_process_env():
+            with main_module_hidden(engine_core_cls), model_process_env():
                 proc.start()
             self.engine_pid: int = proc.pid
             self.num_blocks = self._wait_for_handshake(proc)

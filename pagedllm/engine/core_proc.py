@@ -16,7 +16,9 @@ Start-up handshake: the first message on the output socket is a msgpack map, eit
 Lifetime: the process exits on a SHUTDOWN message, on SIGTERM / SIGINT, and when its parent
 dies (a watchdog thread polls the parent pid). If `step()` raises, the process sends a
 dead-notice (a utility reply with call id `ENGINE_DEAD_CALL_ID`) and exits non-zero; the
-client then fails every pending and new request with `EngineDeadError`.
+client then fails every pending and new request with `EngineDeadError`. So does a dead worker
+of a multi-process executor, even while the engine is idle: the executor's failure callback
+wakes the busy loop, which raises.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from pagedllm.engine import (
     EngineCoreRequestType,
     FinishReason,
 )
+from pagedllm.spawn import exit_process
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +114,9 @@ class EngineCoreProc:
             self._close_sockets()
             raise
 
+        executor = getattr(self.engine_core, "executor", None)
+        if executor is not None:
+            executor.register_failure_callback(self._on_executor_failure)
         # Whether the stats the front end last saw may be stale (see _process_engine_step).
         self._stats_dirty = False
         self._input_thread = threading.Thread(
@@ -191,6 +197,8 @@ class EngineCoreProc:
             )
         elif request_type == EngineCoreRequestType.SHUTDOWN:
             self._stop.set()
+        elif request_type == EngineCoreRequestType.EXECUTOR_FAILED:
+            raise RuntimeError(f"the executor failed: {message}")
         else:
             logger.error("Unknown request type %r ignored", request_type)
 
@@ -263,6 +271,10 @@ class EngineCoreProc:
                 time.sleep(_ORPHAN_EXIT_GRACE_S)
                 os._exit(1)
 
+    def _on_executor_failure(self, reason: str) -> None:
+        """Executor callback (any thread): make the busy loop raise at its next turn."""
+        self.input_queue.put((EngineCoreRequestType.EXECUTOR_FAILED, reason))
+
     def request_shutdown(self) -> None:
         """Thread-safe: makes the busy loop return at its next turn."""
         self._stop.set()
@@ -318,9 +330,10 @@ def run_engine_core(
         logger.error("EngineCore hit a fatal error:\n%s", traceback.format_exc())
         proc.send_dead_notice(f"{type(e).__name__}: {e}")
         proc.shutdown()
-        sys.exit(1)
+        exit_process(1)
     if proc is not None:
         # A second signal while shutting down should not interrupt the clean-up.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         proc.shutdown()
+        exit_process(0)

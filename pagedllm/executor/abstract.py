@@ -3,30 +3,66 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from concurrent.futures import Future
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched.output import SchedulerOutput
 from pagedllm.outputs import ModelRunnerOutput
 
+FailureCallback = Callable[[str], None]
+
 
 class Executor(ABC):
-    """Owns the workers' lifetime; `execute_model` returns the driver worker's output."""
+    """Owns the workers' lifetime; `execute_model` returns the driver worker's output.
+
+    Contract: `determine_num_kv_blocks` is agreed over all workers (the minimum), then
+    `initialize_kv_cache`, then any number of `execute_model` calls. With
+    `max_concurrent_batches > 1` (pipeline parallel), `execute_model(..., non_block=True)`
+    returns a Future and up to that many batches may be in flight; their outputs come back in
+    submission order. A worker that dies makes every pending and later call raise, and calls
+    the registered failure callback once (so an idle engine notices too).
+    """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self._failure_callback: FailureCallback | None = None
         self._init_executor()
 
     @staticmethod
     def get_class(config: EngineConfig) -> type[Executor]:
-        if config.parallel_config.world_size == 1:
+        """The class for `parallel_config.distributed_executor_backend` (resolved by
+        EngineArgs; unset counts as 'uni' for one rank and 'mp' otherwise)."""
+        parallel = config.parallel_config
+        backend = parallel.distributed_executor_backend or (
+            "uni" if parallel.world_size == 1 else "mp"
+        )
+        if backend == "uni":
             from pagedllm.executor.uniproc_executor import UniProcExecutor
 
             return UniProcExecutor
-        raise ValueError(
-            f"tensor_parallel_size={config.parallel_config.tensor_parallel_size} / "
-            f"pipeline_parallel_size={config.parallel_config.pipeline_parallel_size}: "
-            "multi-device execution is not available yet; use 1"
-        )
+        if backend == "mp":
+            from pagedllm.executor.multiproc_executor import MultiProcExecutor
+
+            return MultiProcExecutor
+        if backend == "ray":
+            from pagedllm.executor.ray_executor import RayDistributedExecutor
+
+            return RayDistributedExecutor
+        raise ValueError(f"distributed_executor_backend={backend!r} is not supported")
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """How many batches the engine may keep in flight: one per pipeline stage."""
+        return 1
+
+    def register_failure_callback(self, callback: FailureCallback) -> None:
+        """`callback(reason)` runs (on some thread) when a worker dies."""
+        self._failure_callback = callback
+
+    def _report_failure(self, reason: str) -> None:
+        if self._failure_callback is not None:
+            self._failure_callback(reason)
 
     @abstractmethod
     def _init_executor(self) -> None: ...
@@ -38,7 +74,9 @@ class Executor(ABC):
     def initialize_kv_cache(self, num_blocks: int) -> None: ...
 
     @abstractmethod
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]: ...
 
     def shutdown(self) -> None:
         return None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 from pagedllm.core.sched.output import SchedulerOutput
 from pagedllm.executor.abstract import Executor
 from pagedllm.outputs import ModelRunnerOutput
@@ -20,8 +22,15 @@ class UniProcExecutor(Executor):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.worker.initialize_kv_cache(num_blocks)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.worker.execute_model(scheduler_output)
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        output = self.worker.execute_model(scheduler_output)
+        if not non_block:
+            return output
+        future: Future[ModelRunnerOutput] = Future()
+        future.set_result(output)
+        return future
 
     def shutdown(self) -> None:
         self.worker.shutdown()

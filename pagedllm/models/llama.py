@@ -35,6 +35,13 @@ from pagedllm.layers.rotary_embedding import (
     rope_parameters_from_config,
 )
 from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.models.pipeline import (
+    IntermediateTensors,
+    PPMissingLayer,
+    get_pp_stage,
+    make_layers,
+    missing_prefixes,
+)
 
 
 @dataclass(frozen=True)
@@ -195,14 +202,22 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm (the checkpoint's `model.` subtree)."""
+    """Embedding, decoder layers and final norm (the checkpoint's `model.` subtree). A
+    pipeline stage builds only its share (models/pipeline.py); the others are placeholders."""
 
     def __init__(self, *, config: EngineConfig, spec: LlamaLayerSpec, prefix: str = "") -> None:
         super().__init__()
         hf_config = config.model_config.hf_config
         check_sliding_window(hf_config, config.model_config.max_model_len)
-        self.embed_tokens = VocabParallelEmbedding(
-            hf_config.vocab_size, hf_config.hidden_size, prefix=_join(prefix, "embed_tokens")
+        self.stage = get_pp_stage(
+            hf_config.num_hidden_layers, config.parallel_config.pp_layer_partition
+        )
+        self.embed_tokens = (
+            VocabParallelEmbedding(
+                hf_config.vocab_size, hf_config.hidden_size, prefix=_join(prefix, "embed_tokens")
+            )
+            if self.stage.is_first
+            else PPMissingLayer()
         )
         head_dim = get_head_dim(hf_config)
         theta, rope_params = rope_parameters_from_config(hf_config)
@@ -217,19 +232,35 @@ class LlamaModel(nn.Module):
             rope_params,
             cache_len=max(max_pos, config.model_config.max_model_len),
         )
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(hf_config, spec, self.rotary_emb, _join(prefix, f"layers.{i}"))
-            for i in range(hf_config.num_hidden_layers)
+        self.layers = make_layers(
+            hf_config.num_hidden_layers,
+            self.stage,
+            lambda i: LlamaDecoderLayer(
+                hf_config, spec, self.rotary_emb, _join(prefix, f"layers.{i}")
+            ),
         )
-        self.norm = RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
+        self.norm = (
+            RMSNorm(hf_config.hidden_size, eps=hf_config.rms_norm_eps)
+            if self.stage.is_last
+            else PPMissingLayer()
+        )
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any
-    ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)  # [T, hidden]
-        residual = None
-        for layer in self.layers:
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: Any,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        if self.stage.is_first:
+            hidden_states, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        else:  # a later pipeline stage continues from the previous one's activations
+            hidden_states = intermediate_tensors["hidden_states"]
+            residual = intermediate_tensors["residual"]
+        for layer in self.layers[self.stage.start : self.stage.end]:
             hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+        if not self.stage.is_last:
+            return IntermediateTensors(hidden_states=hidden_states, residual=residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states  # [T, hidden]
 
@@ -270,22 +301,41 @@ class LlamaForCausalLM(nn.Module):
             config=config, spec=self.layer_spec(hf_config), prefix=_join(prefix, "model")
         )
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        stage = self.model.stage
+        if not stage.is_last:
+            self.lm_head = PPMissingLayer()
+        elif self.tie_word_embeddings and stage.is_first:
             self.lm_head = self.model.embed_tokens
-        else:
+        else:  # untied, or tied with the embedding on another stage: loaded from its tensor
             self.lm_head = ParallelLMHead(
                 hf_config.vocab_size, hf_config.hidden_size, prefix=_join(prefix, "lm_head")
             )
         self.logits_processor = LogitsProcessor(hf_config.vocab_size)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any
-    ) -> torch.Tensor:
-        """input_ids [T], positions [T] -> hidden states [T, hidden]."""
-        return self.model(input_ids, positions, attn_metadata)
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: Any,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """input_ids [T], positions [T] -> hidden states [T, hidden]; a pipeline stage before
+        the last returns its `IntermediateTensors` instead (and a later one takes them)."""
+        return self.model(input_ids, positions, attn_metadata, intermediate_tensors)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden_states [N, hidden] -> float32 logits [N, vocab_size]."""
+    def make_empty_intermediate_tensors(
+        self, num_tokens: int, dtype: torch.dtype, device: torch.device
+    ) -> IntermediateTensors:
+        """Buffers for the activations this stage receives from the previous one."""
+        hidden = self.config.model_config.hidden_size
+        return IntermediateTensors(
+            hidden_states=torch.empty(num_tokens, hidden, dtype=dtype, device=device),
+            residual=torch.empty(num_tokens, hidden, dtype=dtype, device=device),
+        )
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """hidden_states [N, hidden] -> float32 logits [N, vocab_size] (None on the
+        tensor-parallel ranks other than the first, which sample nothing)."""
         return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -293,12 +343,20 @@ class LlamaForCausalLM(nn.Module):
         data. Unknown checkpoint names raise, except RoPE buffers and a tied LM head."""
         params = dict(self.named_parameters())
         packed = {src: fused for fused, srcs in self.packed_modules_mapping.items() for src in srcs}
+        other_stages = missing_prefixes(self)
+        # Tied, with the embedding on another pipeline stage: the head loads its tensor.
+        embed_into_head = self.tie_word_embeddings and isinstance(self.lm_head, ParallelLMHead)
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name:
                 continue
             if self.tie_word_embeddings and name.startswith("lm_head."):
                 continue  # some tied checkpoints still store the shared matrix twice
+            if embed_into_head and name == "model.embed_tokens.weight":
+                self.lm_head.weight_loader(self.lm_head.weight, tensor)
+                loaded.add("lm_head.weight")
+            if name.startswith(other_stages):
+                continue
             param_name, shard_id = name, None
             parts = name.split(".")
             for i, part in enumerate(parts):

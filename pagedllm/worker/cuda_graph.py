@@ -65,14 +65,18 @@ def capture_sizes(config: EngineConfig) -> list[int]:
 
 
 def use_cuda_graphs(config: EngineConfig, device: torch.device, backend: AttentionBackend) -> bool:
-    """Captured mode: on CUDA, unless enforce_eager or a KV connector, with a backend that can
-    be captured and at least one capture size (`cudagraph_capture_sizes=[]` turns it off, as
-    in vLLM)."""
+    """Captured mode: on CUDA, unless enforce_eager, a KV connector or more than one rank, with
+    a backend that can be captured and at least one capture size (`cudagraph_capture_sizes=[]`
+    turns it off, as in vLLM)."""
     if device.type != "cuda" or config.enforce_eager:
         return False
     if config.kv_transfer_config is not None:
         # The connector's per-layer load / save hooks are Python a graph replay would skip.
         logger.info("a KV connector is configured: decode runs eagerly (no CUDA graphs)")
+        return False
+    if config.parallel_config.world_size > 1:
+        # The collectives (NCCL all-reduce, the stage-to-stage sends) stay outside graphs.
+        logger.info("tensor / pipeline parallelism: decode runs eagerly (no CUDA graphs)")
         return False
     if not getattr(backend, "supports_cuda_graph", False):
         logger.info(

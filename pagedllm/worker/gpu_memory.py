@@ -173,23 +173,23 @@ def profile_run(runner: ModelRunner, num_tokens: int, num_reqs: int) -> None:
         table, np.zeros(num_reqs, dtype=np.int64), lens, bs, device
     )
     input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
-    hidden = runner.model(
-        input_ids,
-        torch.from_numpy(positions).to(device),
-        runner.attn_backend.build_metadata(common),
-    )
-    last_rows = torch.from_numpy(np.cumsum(lens) - 1).to(device)
-    logits = runner.model.compute_logits(hidden[last_rows])
-    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
-    metadata = SamplingMetadata.build(
-        [params] * num_reqs,
-        [[0]] * num_reqs,
-        [[] for _ in range(num_reqs)],
-        [None] * num_reqs,
-        vocab_size=logits.shape[-1],
-        device=device,
-    )
-    runner.sampler(logits, metadata, overwrite=True)
+    # Every rank runs this together: a stage's forward receives from the previous stage, and
+    # only the ranks holding the LM head (the last stage) compute logits and sample.
+    hidden = runner.forward(common, input_ids, torch.from_numpy(positions).to(device))
+    if hidden is not None:
+        last_rows = torch.from_numpy(np.cumsum(lens) - 1).to(device)
+        logits = runner.model.compute_logits(hidden[last_rows])
+        if logits is not None:  # the driver's gathered vocabulary
+            params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
+            metadata = SamplingMetadata.build(
+                [params] * num_reqs,
+                [[0]] * num_reqs,
+                [[] for _ in range(num_reqs)],
+                [None] * num_reqs,
+                vocab_size=logits.shape[-1],
+                device=device,
+            )
+            runner.sampler(logits, metadata, overwrite=True)
     for layer in get_attention_layers(runner.model):  # drop the scratch cache
         layer.kv_cache = None
     if device.type == "cuda":

@@ -7,6 +7,13 @@ query offsets, sequence lengths; no per-token Python loop), (3) runs the model o
 logits only at the last token of each request whose scheduled tokens reach the end of its known
 tokens (a partial prefill chunk does not sample), and (5) samples. The runner never decides who
 runs; it only executes what the scheduler chose.
+
+With several ranks, every rank runs (1)-(3) on its shard (tensor parallel) or its layers
+(pipeline parallel: a stage before the last sends its activations to the next and stops
+there). Only the *driver*, the first tensor-parallel rank of the last stage, samples, drafts
+and returns a `ModelRunnerOutput`; the last stage's other ranks help compute the logits
+(their vocabulary slices are gathered on the driver) and return None. The ranks that did not
+sample learn the new tokens from the next `SchedulerOutput`.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from pagedllm.attention.selector import get_attn_backend
 from pagedllm.compilation.compile import compile_model
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched.output import SchedulerOutput
+from pagedllm.distributed import get_pp_group, get_tp_group, single_process_groups
 from pagedllm.distributed.kv_transfer.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
@@ -36,6 +44,7 @@ from pagedllm.distributed.kv_transfer.base import (
 from pagedllm.distributed.kv_transfer.factory import KVConnectorFactory
 from pagedllm.distributed.kv_transfer.kv_blocks import kv_block_dim
 from pagedllm.models.loader import get_model
+from pagedllm.models.pipeline import IntermediateTensors
 from pagedllm.outputs import BeamCandidates, LogprobsLists, ModelRunnerOutput
 from pagedllm.sample.beam import beam_candidates
 from pagedllm.sample.logprobs import compute_token_logprobs
@@ -119,9 +128,14 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.cuda_graphs: CUDAGraphRunner | None = None  # captured mode (capture_model)
+        self.pp_group = get_pp_group()
+        self.is_driver = self.pp_group.is_last_rank and get_tp_group().is_first_rank
         # Speculative decoding (spec_decode/): a proposer drafts, the RejectionSampler verifies.
+        # Only the driver drafts: it alone knows the accepted tokens drafting starts from.
         spec = get_speculative_config(config)
-        self.drafter = make_proposer(config, spec, device) if spec is not None else None
+        self.drafter = None
+        if spec is not None and self.is_driver:
+            self.drafter = make_proposer(config, spec, device)
         self.rejection_sampler = RejectionSampler()
         # (request states, their SamplingMetadata) of the last plain sampling step.
         self._cached_metadata: tuple[list[CachedRequestState], SamplingMetadata] | None = None
@@ -137,8 +151,17 @@ class ModelRunner:
         compile_model(self.model, self.config.compilation_config)
         if not get_attention_layers(self.model):
             raise RuntimeError("the model has no Attention layers to bind a KV cache to")
-        if self.drafter is not None:
+        if self.drafter is None:
+            return
+        if self.config.parallel_config.world_size == 1:
             self.drafter.load_model(self.model)
+            return
+        # The driver keeps its drafter whole: built and run outside the process groups, with
+        # an unsharded copy of the target's embedding and LM head for the heads that share them.
+        from pagedllm.spec_decode.target_heads import load_target_heads
+
+        with single_process_groups():
+            self.drafter.load_model(load_target_heads(self.config, self.device))
 
     def kv_cache_bytes_per_block(self) -> int:
         per_layer = kv_cache_bytes_per_block(self.model, self.block_size, self.dtype)
@@ -210,36 +233,43 @@ class ModelRunner:
             if cached.new_block_ids[i]:
                 state.block_ids.extend(cached.new_block_ids[i])
             if cached.new_token_ids and cached.new_token_ids[i]:
-                state.set_tokens(state.num_computed_tokens, cached.new_token_ids[i])
+                state.set_tokens(cached.new_token_start[i], cached.new_token_ids[i])
         for copy in so.blocks_to_copy:  # copy-on-write: the request now owns dst
             state = self.requests.get(copy.req_id)
             if state is not None:
                 state.block_ids[copy.block_index] = copy.dst_block_id
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The step's output on the driver; None on the other ranks (see the module
+        docstring)."""
         if self.kv_connector is not None:
             return execute_with_kv_connector(self.kv_connector, so, self._execute_model)
         return self._execute_model(so)
 
-    def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
+            if not self.is_driver:
+                return None
             return ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])
         if so.blocks_to_copy:
             self._copy_blocks(so)
         step = self._step_batch(so)
         common, input_ids, positions = self._prepare_inputs(step)
-        hidden = self._forward(common, input_ids, positions)  # [T, hidden]
+        hidden = self.forward(common, input_ids, positions)  # [T, hidden]
+        if hidden is None:
+            return None  # a pipeline stage before the last
 
         # A request samples when this step's tokens reach the end of its known tokens; one with
         # draft tokens verifies them and may emit up to k + 1 (see _sample_tokens).
         sampled, logprobs, beam_candidates = self._sample_tokens(so, step, hidden)
+        prompt_logprobs = self._prompt_logprobs(step, hidden)
+        if not self.is_driver:
+            return None
         spec_token_ids = None
         if self.drafter is not None:
             spec_token_ids = self._propose_drafts(step, hidden, sampled)
-
-        prompt_logprobs = self._prompt_logprobs(step, hidden)
         return ModelRunnerOutput(
             req_ids=step.req_ids,
             req_id_to_index={r: i for i, r in enumerate(step.req_ids)},
@@ -306,6 +336,8 @@ class ModelRunner:
         last_rows = (step.row_start + step.num_sched)[sample_rows] - 1
         rows = verification_rows(last_rows, num_drafts)
         logits = self.model.compute_logits(hidden[torch.from_numpy(rows).to(self.device)])
+        if logits is None:  # a tensor-parallel rank that only helped compute them
+            return sampled, logprobs, candidates
         if so.grammar_bitmask is not None:  # structured outputs: mask what grammars forbid
             # One bitmask row per verified position, in the order of `rows`.
             sample_ids = [step.req_ids[i] for i in sample_rows]
@@ -336,6 +368,8 @@ class ModelRunner:
     ) -> dict[str, BeamCandidates]:
         last_rows = (step.row_start + step.num_sched)[rows] - 1
         logits = self.model.compute_logits(hidden[torch.from_numpy(last_rows).to(self.device)])
+        if logits is None:  # not the driver
+            return {}
         states = [step.states[i] for i in rows]
         results = beam_candidates(
             logits,
@@ -365,17 +399,30 @@ class ModelRunner:
             step.states[i].draft_probs = proposal.probs[i]
         return proposal.token_ids
 
-    def _forward(
+    def forward(
         self, common: CommonAttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor
-    ) -> torch.Tensor:
-        """The model's hidden states [T, hidden]: a captured CUDA graph's replay for a decode
-        batch that fits one, else an eager forward."""
+    ) -> torch.Tensor | None:
+        """The model over this stage's layers. The last stage returns hidden states [T, H]: a
+        captured CUDA graph's replay for a decode batch that fits one, else an eager forward.
+        An earlier stage sends its activations on to the next stage and returns None."""
         graphs = self.cuda_graphs
         size = graphs.size_for(common) if graphs is not None else None
-        if size is not None:
+        if size is not None:  # captured mode runs only in a world of one (use_cuda_graphs)
             inputs = {"input_ids": input_ids, "positions": positions}
             return graphs.run(size, inputs, common)
-        return self.model(input_ids, positions, self.attn_backend.build_metadata(common))
+        pp = self.pp_group
+        intermediate = None
+        if not pp.is_first_rank:
+            intermediate = self.model.make_empty_intermediate_tensors(
+                input_ids.shape[0], self.dtype, self.device
+            )
+            pp.recv_tensors(intermediate.tensors())
+        attn_meta = self.attn_backend.build_metadata(common)
+        out = self.model(input_ids, positions, attn_meta, intermediate)
+        if isinstance(out, IntermediateTensors):
+            pp.send_tensors(out.tensors())
+            return None
+        return out
 
     def _prepare_inputs(
         self, step: _StepBatch
@@ -449,8 +496,10 @@ class ModelRunner:
             row0 = int(step.row_start[i])
             rows = hidden[row0 + (a - first) : row0 + (b - first)]
             logits = self.model.compute_logits(rows)
+            s.num_prompt_logprobs_done = b
+            if logits is None:  # not the driver
+                continue
             targets = torch.as_tensor(s.prompt_token_ids[a + 1 : b + 1], device=self.device)
             lp = compute_token_logprobs(logits, targets, k)
             result[s.req_id] = lp.tolists()
-            s.num_prompt_logprobs_done = b
         return result

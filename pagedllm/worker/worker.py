@@ -8,6 +8,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched.output import SchedulerOutput
+from pagedllm.distributed import destroy_distributed, init_distributed
 from pagedllm.outputs import ModelRunnerOutput
 from pagedllm.worker.gpu_memory import (
     CudaMemoryReader,
@@ -23,13 +24,20 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
-    """One process's share of the model. With tensor parallelism there is one per rank."""
+    """One process's share of the model: one per rank (tensor x pipeline parallel), the same
+    class in-process (`UniProcExecutor`), in a worker process (`MultiProcExecutor`) or in a Ray
+    actor (`RayDistributedExecutor`).
+
+    `distributed_init_method` (e.g. `tcp://HOST:PORT`) is where the ranks meet when the world
+    has more than one; `node_id` names the machine (ranks sharing one use shared memory)."""
 
     def __init__(
         self,
         config: EngineConfig,
         rank: int = 0,
         local_rank: int = 0,
+        distributed_init_method: str = "env://",
+        node_id: str = "",
         memory_reader: MemoryReader | None = None,
     ) -> None:
         """`memory_reader`: where GPU memory is read for sizing the KV cache (on CUDA the
@@ -38,6 +46,8 @@ class Worker:
         self.config = config
         self.rank = rank
         self.local_rank = local_rank
+        self.distributed_init_method = distributed_init_method
+        self.node_id = node_id
         self.device: torch.device | None = None
         self.model_runner: ModelRunner | None = None
         self.memory_reader = memory_reader
@@ -52,6 +62,16 @@ class Worker:
             self.memory_reader = self.memory_reader or CudaMemoryReader(self.device)
         else:
             self.device = torch.device("cpu")
+        parallel = self.config.parallel_config
+        if parallel.world_size > 1:
+            init_distributed(
+                parallel.world_size,
+                self.rank,
+                tensor_parallel_size=parallel.tensor_parallel_size,
+                distributed_init_method=self.distributed_init_method,
+                backend="nccl" if device_type == "cuda" else "gloo",
+                node_id=self.node_id,
+            )
         if self.memory_reader is not None:
             utilization = self.config.cache_config.gpu_memory_utilization
             self.memory_at_start = check_free_at_start(self.memory_reader, utilization)
@@ -75,6 +95,7 @@ class Worker:
         per_block = self.model_runner.kv_cache_bytes_per_block()
         if cache.num_gpu_blocks_override is not None:
             return cache.num_gpu_blocks_override
+        # Per worker, like vLLM's VLLM_CPU_KVCACHE_SPACE: each rank holds its own layers' share.
         if cache.kv_cache_memory_bytes is not None:
             return cache.kv_cache_memory_bytes // per_block
         if self.memory_reader is not None:
@@ -111,9 +132,13 @@ class Worker:
         self.model_runner.initialize_kv_cache(num_blocks)
         self.model_runner.capture_model()
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The step's output on the rank that samples (the first tensor-parallel rank of the
+        last pipeline stage); None on the others."""
         return self.model_runner.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
         if self.model_runner is not None:
             self.model_runner.shutdown()
+        if self.config.parallel_config.world_size > 1:
+            destroy_distributed()

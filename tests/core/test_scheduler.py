@@ -1,7 +1,10 @@
 """Tests for pagedllm.core.sched.scheduler, driven by a fake model runner (tests/core/utils.py)."""
 
+from collections import deque
+
 import pytest
 
+from pagedllm.config import ParallelConfig
 from pagedllm.core.request import RequestStatus
 from pagedllm.engine import EngineCoreEventType, FinishReason
 from pagedllm.outputs import LogprobsLists
@@ -495,3 +498,51 @@ def test_rejected_draft_tokens_roll_back_num_computed_tokens():
     assert request.num_computed_tokens == 10  # 12 scheduled positions, 2 rejected
     assert request.spec_token_ids == [60, 61]
     scheduler.check_integrity()
+
+
+# ---- several batches in flight (pipeline parallel), several ranks -------------------------
+
+
+def test_in_flight_requests_are_neither_rescheduled_nor_preempted():
+    """Two batches in flight, as the engine's batch queue keeps them: a request is in at
+    most one, and the preemption victim is never one whose batch is still running (here r1,
+    the latest arrival, is in flight when r0 needs a block, so r0 yields its own)."""
+    scheduler = create_scheduler(num_blocks=4, max_model_len=64, enable_prefix_caching=False)
+    r0, r1 = create_requests(2, prompt_len=30, max_tokens=20)
+    scheduler.add_request(r0)
+    queue = deque([scheduler.schedule()])
+    scheduler.add_request(r1)
+    tokens: dict[str, list[int]] = {"req0": [], "req1": []}
+    preempted: list[str] = []
+    while scheduler.has_unfinished_requests():
+        if len(queue) < 2:
+            so = scheduler.schedule()
+            in_flight = set().union(*(q.num_scheduled_tokens for q in queue))
+            assert not in_flight & set(so.num_scheduled_tokens)
+            assert not in_flight & so.preempted_req_ids
+            preempted += so.preempted_req_ids
+            queue.append(so)
+        so = queue.popleft()
+        outputs = scheduler.update_from_output(so, make_runner_output(scheduler, so))
+        for out in outputs.outputs:
+            tokens[out.request_id] += out.new_token_ids
+    assert preempted == ["req0"]
+    assert tokens == {"req0": [DEFAULT_TOKEN] * 20, "req1": [DEFAULT_TOKEN] * 20}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_other_ranks_learn_the_sampled_tokens(tp):
+    """With several ranks, each step tells the runners the tokens sampled since a request
+    was last scheduled, at their positions; one rank samples them itself."""
+    scheduler = create_scheduler(parallel_config=ParallelConfig(tensor_parallel_size=tp))
+    add_all(scheduler, create_requests(2, prompt_len=16, max_tokens=5))
+    step(scheduler, {"req0": [11], "req1": [12]})
+    so, _ = step(scheduler, {"req0": [13, 15], "req1": [14]})  # req0: a draft accepted
+    cached = so.scheduled_cached_reqs
+    if tp == 1:
+        assert cached.new_token_ids == [[], []] and cached.new_token_start == [0, 0]
+        return
+    assert cached.new_token_ids == [[11], [12]] and cached.new_token_start == [16, 16]
+    so, _ = step(scheduler)
+    cached = so.scheduled_cached_reqs
+    assert cached.new_token_ids == [[13, 15], [14]] and cached.new_token_start == [17, 17]

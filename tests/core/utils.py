@@ -40,6 +40,7 @@ def create_scheduler(
     long_prefill_token_threshold: int = 0,
     policy: str = "fcfs",
     kv_transfer_config: KVTransferConfig | None = None,
+    parallel_config: ParallelConfig | None = None,
 ) -> Scheduler:
     model_config = ModelConfig(
         model="fake",
@@ -66,7 +67,7 @@ def create_scheduler(
         model_config=model_config,
         cache_config=cache_config,
         scheduler_config=scheduler_config,
-        parallel_config=ParallelConfig(),
+        parallel_config=parallel_config or ParallelConfig(),
         device_config=DeviceConfig(device="cpu"),
         kv_transfer_config=kv_transfer_config,
     )

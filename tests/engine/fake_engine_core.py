@@ -2,11 +2,13 @@
 
 Each running request gets one token per step: the previous token + 1 (the first is the last
 prompt token + 1). Special prompts steer failures: a first prompt token of 666 makes `step()`
-raise; `config.fail_start` makes construction raise.
+raise; `config.fail_start` makes construction raise; `config.worker_dies_after` (seconds)
+makes its stand-in executor report a dead worker then, as a multi-process executor would.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from types import SimpleNamespace
 
@@ -22,7 +24,7 @@ CRASH_TOKEN = 666
 
 
 def fake_config(**kwargs) -> SimpleNamespace:
-    defaults = dict(num_blocks=42, step_delay=0.0, fail_start=False)
+    defaults = dict(num_blocks=42, step_delay=0.0, fail_start=False, worker_dies_after=None)
     defaults.update(kwargs)
     return SimpleNamespace(**defaults)
 
@@ -34,6 +36,8 @@ class FakeEngineCore:
         self.config = config
         self.num_blocks = config.num_blocks
         self.running: dict[str, tuple[EngineCoreRequest, list[int]]] = {}
+        if config.worker_dies_after is not None:
+            self.executor = _DyingExecutor(config.worker_dies_after)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         if request.request_id in self.running:
@@ -75,3 +79,15 @@ class FakeEngineCore:
 
     def shutdown(self) -> None:
         pass
+
+
+class _DyingExecutor:
+    """Calls the registered failure callback `delay` seconds after registration."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+
+    def register_failure_callback(self, callback) -> None:
+        timer = threading.Timer(self.delay, callback, args=("worker rank 1 died (simulated)",))
+        timer.daemon = True
+        timer.start()

@@ -132,6 +132,20 @@ def test_killed_engine_fails_requests_quickly(sync_client):
         sync_client.call_utility("get_num_blocks")
 
 
+def test_dead_worker_kills_an_idle_engine_quickly():
+    """The executor's failure callback wakes an idle busy loop: no request needs to run for
+    the client to learn the engine is dead."""
+    client = SyncMPClient(fake_config(worker_dies_after=0.2), engine_core_cls=FakeEngineCore)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match="worker rank 1 died"):
+            client.get_output()
+        assert time.monotonic() - t0 < 2
+        assert client.is_dead
+    finally:
+        client.shutdown()
+
+
 def test_crash_in_step_reports_the_cause(sync_client):
     sync_client.add_request(_request("bad", [CRASH_TOKEN]))
     with pytest.raises(EngineDeadError, match="boom"):

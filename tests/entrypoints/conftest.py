@@ -39,6 +39,24 @@ def child_pids(pid: int) -> list[int]:
     return result
 
 
+def descendant_pids(pid: int) -> list[int]:
+    """Every live process under `pid` (children, their children, ...)."""
+    found, frontier = [], [pid]
+    while frontier:
+        children = child_pids(frontier.pop())
+        found += children
+        frontier += children
+    return found
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

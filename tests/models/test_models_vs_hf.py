@@ -36,7 +36,7 @@ class PagedBatchRunner:
         self.blocks: list[list[int]] = [[] for _ in range(num_reqs)]
         self.lens = [0] * num_reqs
 
-    def step(self, new_tokens: list[list[int]]) -> list[torch.Tensor]:
+    def step(self, new_tokens: list[list[int]]) -> list[torch.Tensor] | None:
         input_ids, positions, slots, qsl = [], [], [], [0]
         for r, toks in enumerate(new_tokens):
             start = self.lens[r]
@@ -71,6 +71,8 @@ class PagedBatchRunner:
                 meta,
             )  # [T, hidden]
             logits = self.model.compute_logits(hidden)  # [T, vocab]
+        if logits is None:  # a tensor-parallel rank other than the first gets none
+            return None
         assert logits.dtype == torch.float32
         return [logits[qsl[r] : qsl[r + 1]] for r in range(len(new_tokens))]
 

@@ -36,11 +36,13 @@ class CachedRequestData:
     # Blocks appended to the request's block table this step (may be empty).
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
-    # A beam's tokens at positions [num_computed_tokens, + num scheduled): its continuation
-    # is chosen by the scheduler, not sampled by the runner, so the runner learns it here
-    # (and extends its copy with it). [] for every other request (the runner appends what
-    # it sampled itself).
+    # Tokens the runner did not produce itself, to set at positions new_token_start[i] on: a
+    # beam's continuation (its group chose it) and, with several ranks, the tokens sampled on
+    # the driver since the request was last scheduled (vLLM's new_token_ids). [] for every
+    # other request (the runner appends what it sampled itself); setting tokens a runner
+    # already holds changes nothing.
     new_token_ids: list[list[int]] = field(default_factory=list)
+    new_token_start: list[int] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:

@@ -26,6 +26,12 @@ Beam search (`beam.py`): a beam-search request becomes a `BeamGroup` whose beams
 requests here, except that the runner returns their next-token candidates instead of a
 sampled token and the group forks, extends and drops beams once all of them reported. A group
 is admitted and preempted whole.
+
+With pipeline parallelism the engine keeps several batches in flight: a request scheduled in
+one is *in flight* until its output is folded back, and is neither scheduled again nor chosen
+as a preemption victim meanwhile (its next tokens depend on that output, and its KV blocks are
+still being written). With more than one rank, the runners other than the sampling one learn
+each request's new output tokens from the `SchedulerOutput` (`new_token_ids`, as beams do).
 """
 
 from __future__ import annotations
@@ -160,6 +166,12 @@ class Scheduler:
 
             connector = KVConnectorFactory.create_connector(config, KVConnectorRole.SCHEDULER)
             self.kv_transfer = KVTransferTracker(connector, self.kv_cache_manager)
+        # Requests in a batch whose output has not come back yet (see the module docstring).
+        self._in_flight: set[str] = set()
+        # Where each request's runner copy ends (tokens it was sent or produced), for requests
+        # whose runners must be told new tokens: beams, and every request with several ranks.
+        self._sync_all_tokens = config.parallel_config.world_size > 1
+        self._runner_num_tokens: dict[str, int] = {}
 
     # ---- requests in and out ----------------------------------------------------------------
 
@@ -240,6 +252,7 @@ class Scheduler:
             self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._prompt_logprobs.pop(request.request_id, None)
+        self._runner_num_tokens.pop(request.request_id, None)
         self.finished_req_ids.add(request.request_id)
         if self.structured_output_manager is not None:
             self.structured_output_manager.free_request(request.request_id)
@@ -261,6 +274,7 @@ class Scheduler:
             self.structured_output_manager.fill_bitmask(output, self.requests)
         for req_id, num_tokens in state.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_tokens
+        self._in_flight.update(state.num_scheduled_tokens)
         self.finished_req_ids = set()
         return output
 
@@ -273,6 +287,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and state.token_budget > 0:
             request = self.running[i]
+            if request.request_id in self._in_flight:
+                i += 1
+                continue
             behind = request.num_tokens_with_spec - request.num_computed_tokens
             num_new = self._cap_new_tokens(behind, state.token_budget)
             # Draft tokens must not run past position max_model_len - 1 (known tokens never do).
@@ -306,8 +323,20 @@ class Scheduler:
             )
             if blocks is not None:
                 return blocks
-            if request in self._preempt_last(state):
+            victims = self._preempt_last(state, self._last_preemptable())
+            if not victims or request in victims:
                 return None
+
+    def _last_preemptable(self) -> int | None:
+        """Index in `self.running` of the next preemption victim: the last request that is
+        not in flight, nor a beam whose group has a beam in flight (None if there is none)."""
+        for i in range(len(self.running) - 1, -1, -1):
+            request = self.running[i]
+            group = self.beam_search.group_of(request)
+            members = group.beams if group is not None else (request,)
+            if not any(m.request_id in self._in_flight for m in members):
+                return i
+        return None
 
     def _schedule_waiting(self, state: _StepState) -> None:
         skipped: list[Request] = []
@@ -443,17 +472,20 @@ class Scheduler:
                 list(self.waiting), request
             ):
                 continue
-            if self.policy != "priority" or not self.running or not request < self.running[-1]:
+            i = self._last_preemptable()
+            if self.policy != "priority" or i is None or not request < self.running[i]:
                 return None
-            self._preempt_last(state)
+            self._preempt_last(state, i)
 
-    def _preempt_last(self, state: _StepState) -> list[Request]:
-        """Preempt the last running request, or all running beams of its beam group, undoing
-        their scheduling this step; returns them."""
-        victim = self.running[-1]
+    def _preempt_last(self, state: _StepState, index: int | None) -> list[Request]:
+        """Preempt the running request at `index`, or all running beams of its beam group,
+        undoing their scheduling this step; returns them ([] for no index)."""
+        if index is None:
+            return []
+        victim = self.running[index]
         group = self.beam_search.group_of(victim)
         if group is None:
-            victims = [self.running.pop()]
+            victims = [self.running.pop(index)]
         else:
             victims = [b for b in self.running if b in group.beams]
             self.running = [r for r in self.running if r not in victims]
@@ -497,11 +529,12 @@ class Scheduler:
             cached.req_ids.append(r.request_id)
             cached.new_block_ids.append(state.new_blocks[r.request_id].get_block_ids())
             cached.num_computed_tokens.append(r.num_computed_tokens)
-            chosen: list[int] = []
-            if r.beam_search is not None:  # the beam's continuation came from its group
-                start = r.num_computed_tokens
-                chosen = r.all_token_ids[start : start + state.num_scheduled_tokens[r.request_id]]
-            cached.new_token_ids.append(chosen)
+            start, tokens = self._tokens_for_runner(r)
+            cached.new_token_start.append(start)
+            cached.new_token_ids.append(tokens)
+        for r in state.new_reqs + state.cached_reqs:
+            if self._sync_all_tokens or r.beam_search is not None:
+                self._runner_num_tokens[r.request_id] = r.num_tokens
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -512,6 +545,16 @@ class Scheduler:
             preempted_req_ids={r.request_id for r in state.preempted},
             blocks_to_copy=kv.take_blocks_to_copy(),
         )
+
+    def _tokens_for_runner(self, request: Request) -> tuple[int, list[int]]:
+        """(position, tokens): what the request's runners must set that they did not produce:
+        a beam's continuation (its group chose it) or, with several ranks, what the driver
+        sampled (the other ranks never saw it); everything after where their copy ended when
+        the request was last scheduled. (0, []) for the rest."""
+        end = self._runner_num_tokens.get(request.request_id)
+        if end is None:
+            return 0, []
+        return end, request.output_token_ids[end - request.num_prompt_tokens :]
 
     # ---- results ----------------------------------------------------------------------------
 
@@ -525,6 +568,7 @@ class Scheduler:
         num_finished = 0
         if self.kv_transfer is not None and mro.kv_connector_output is not None:
             self.kv_transfer.update_from_output(mro.kv_connector_output)
+        self._in_flight.difference_update(scheduler_output.num_scheduled_tokens)
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
             if request is None:
@@ -692,8 +736,7 @@ class Scheduler:
         holders = set(self.kv_cache_manager.req_to_blocks)
         if expected != holders:
             raise AssertionError(
-                f"running / transferring {sorted(expected)} but blocks held by "
-                f"{sorted(holders)}"
+                f"running / transferring {sorted(expected)} but blocks held by {sorted(holders)}"
             )
         if len(running_ids) + len(self.waiting) != len(self.requests):
             raise AssertionError("a request is neither running nor waiting")

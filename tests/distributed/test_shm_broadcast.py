@@ -1,0 +1,84 @@
+"""MessageQueue: every reader, local (shared-memory ring) or remote (ZMQ), gets every message in
+order, through ring wrap-around, oversized messages and readers that fell asleep."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pagedllm.distributed.shm_broadcast import MessageQueue
+
+NUM_MESSAGES = 40
+
+
+def _messages() -> list[object]:
+    msgs: list[object] = [("step", i, list(range(i))) for i in range(NUM_MESSAGES)]
+    msgs[7] = b"x" * 5000  # larger than a chunk: travels over ZMQ
+    msgs[30] = {"big": list(range(3000))}
+    return msgs
+
+
+def _reader(handle, rank: int, delay_s: float, results) -> None:
+    mq = MessageQueue.create_from_handle(handle, rank)
+    got = []
+    for i in range(NUM_MESSAGES):
+        if i == 20:
+            time.sleep(delay_s)  # the writer runs ahead while this reader is slow
+        got.append(mq.dequeue(timeout_s=60))
+    results.put((rank, got))
+    mq.close()
+
+
+@pytest.mark.distributed
+def test_local_and_remote_readers_get_every_message(worker_mp_context):
+    ctx = worker_mp_context
+    # Readers 0 and 2 read the ring; reader 1 is "remote" (ZMQ over loopback TCP).
+    mq = MessageQueue(3, local_reader_ranks=[0, 2], max_chunk_bytes=1024, max_chunks=4,
+                      connect_ip="127.0.0.1")  # fmt: skip
+    handle = mq.export_handle()
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_reader, args=(handle, rank, delay, results))
+        for rank, delay in ((0, 0.0), (1, 0.0), (2, 0.3))
+    ]
+    for p in procs:
+        p.start()
+    mq.wait_until_ready(timeout_s=60)
+    for i, m in enumerate(_messages()):
+        if i == 10:
+            time.sleep(0.2)  # readers go to sleep on the socket and must be woken
+        mq.enqueue(m, timeout_s=60)
+    got = dict(results.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(30)
+    mq.close()
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    assert got == {r: _messages() for r in range(3)}
+
+
+def test_dequeue_times_out():
+    mq = MessageQueue(1)
+    reader = MessageQueue.create_from_handle(mq.export_handle(), 0)
+    mq.wait_until_ready(timeout_s=10)
+    with pytest.raises(TimeoutError):
+        reader.dequeue(timeout_s=0.1)
+    mq.enqueue("hello")
+    assert reader.dequeue(timeout_s=5) == "hello"
+    reader.close()
+    mq.close()
+
+
+def test_full_ring_blocks_the_writer():
+    mq = MessageQueue(1, max_chunks=2)
+    reader = MessageQueue.create_from_handle(mq.export_handle(), 0)
+    mq.wait_until_ready(timeout_s=10)
+    mq.enqueue(1)
+    mq.enqueue(2)
+    with pytest.raises(TimeoutError):
+        mq.enqueue(3, timeout_s=0.1)  # the reader has not consumed message 1 yet
+    assert reader.dequeue(timeout_s=5) == 1
+    mq.enqueue(3, timeout_s=5)
+    assert [reader.dequeue(timeout_s=5), reader.dequeue(timeout_s=5)] == [2, 3]
+    reader.close()
+    mq.close()

@@ -1,0 +1,83 @@
+"""ParallelConfig: the executor backend acts or is a clear error, vLLM's default choice, and
+the model is checked to split as asked before any worker starts."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pagedllm.config import ParallelConfig, parse_pp_layer_partition
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.executor.abstract import Executor
+from pagedllm.executor.multiproc_executor import MultiProcExecutor
+from pagedllm.executor.uniproc_executor import UniProcExecutor
+
+
+def test_unknown_backend_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match="distributed_executor_backend='threads'"):
+        ParallelConfig(distributed_executor_backend="threads")
+
+
+def test_uni_backend_cannot_run_several_ranks():
+    with pytest.raises(ValueError, match="'uni' runs one process"):
+        ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="uni")
+
+
+@pytest.mark.parametrize(
+    "kwargs, env, expected",
+    [
+        ({}, {}, "uni"),
+        ({"tensor_parallel_size": 2}, {}, "mp"),
+        ({"pipeline_parallel_size": 2}, {"RAY_ADDRESS": "127.0.0.1:6379"}, "ray"),
+        ({"tensor_parallel_size": 2, "distributed_executor_backend": "ray"}, {}, "ray"),
+        ({"distributed_executor_backend": "mp"}, {}, "mp"),  # one worker process
+    ],
+)
+def test_default_backend(kwargs, env, expected, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert ParallelConfig(**kwargs).resolve_executor_backend("cpu") == expected
+
+
+def test_backend_picks_the_executor(tiny_llama_dir):
+    def cls(**kw):
+        return Executor.get_class(EngineArgs(model=tiny_llama_dir, **kw).create_engine_config())
+
+    assert cls() is UniProcExecutor
+    assert cls(tensor_parallel_size=2) is MultiProcExecutor
+    assert cls(distributed_executor_backend="mp") is MultiProcExecutor
+
+
+@pytest.mark.parametrize(
+    "kwargs, env, match",
+    [
+        ({"tensor_parallel_size": 3}, None, "num_attention_heads=4 is not divisible"),
+        ({"tensor_parallel_size": 8}, None, "num_attention_heads=4"),
+        ({"pipeline_parallel_size": 3}, None, "larger than the model's num_hidden_layers=2"),
+        ({"pipeline_parallel_size": 2}, "2,1", "PAGEDLLM_PP_LAYER_PARTITION=2,1 must give"),
+        ({}, "1,1", "pipeline_parallel_size=1"),  # a partition that would be ignored
+        ({"pipeline_parallel_size": 2}, "one,two", "comma-separated layer counts"),
+    ],
+)
+def test_model_must_split_as_asked(tiny_llama_dir, kwargs, env, match, monkeypatch):
+    if env is not None:
+        monkeypatch.setenv("PAGEDLLM_PP_LAYER_PARTITION", env)
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(model=tiny_llama_dir, **kwargs).create_engine_config()
+
+
+def test_layer_partition_reaches_the_config(tiny_llama_dir, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_PP_LAYER_PARTITION", "1,1")
+    config = EngineArgs(model=tiny_llama_dir, pipeline_parallel_size=2).create_engine_config()
+    assert config.parallel_config.pp_layer_partition == [1, 1]
+    assert parse_pp_layer_partition("") is None
+
+
+def test_cli_flags_and_short_forms():
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(["-tp", "2", "-pp", "3", "--distributed-executor-backend", "ray"])
+    engine_args = EngineArgs.from_cli_args(args)
+    assert (engine_args.tensor_parallel_size, engine_args.pipeline_parallel_size) == (2, 3)
+    assert engine_args.distributed_executor_backend == "ray"
