@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched.output import SchedulerOutput
@@ -80,3 +81,49 @@ class Executor(ABC):
 
     def shutdown(self) -> None:
         return None
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker died or failed; the executor is unusable from then on."""
+
+
+class DistributedExecutor(Executor):
+    """What the multi-rank executors share: every call runs on all ranks (`collective_rpc`),
+    KV-cache sizes are agreed as the minimum over ranks, and `execute_model` returns the
+    driver's output (the first tensor-parallel rank of the last pipeline stage)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        parallel = config.parallel_config
+        self.world_size = parallel.world_size
+        self.output_rank = self.world_size - parallel.tensor_parallel_size
+        super().__init__(config)
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self.config.parallel_config.pipeline_parallel_size
+
+    @abstractmethod
+    def collective_rpc(
+        self,
+        method: str,
+        args: tuple = (),
+        unique_reply_rank: int | None = None,
+        non_block: bool = False,
+    ) -> Any:
+        """Run `Worker.<method>(*args)` on every rank; the list of their results, or only
+        `unique_reply_rank`'s result. `non_block`: a Future of it."""
+
+    def determine_num_kv_blocks(self) -> int:
+        # Every rank holds the same block ids over its own layers: the smallest budget wins.
+        return min(self.collective_rpc("determine_num_kv_blocks"))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_kv_cache", (num_blocks,))
+
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
+        return self.collective_rpc(
+            "execute_model", (scheduler_output,), unique_reply_rank=self.output_rank,
+            non_block=non_block,
+        )  # fmt: skip

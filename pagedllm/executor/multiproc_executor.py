@@ -27,15 +27,13 @@ import threading
 import time
 import traceback
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.sched.output import SchedulerOutput
 from pagedllm.distributed.shm_broadcast import Handle, MessageQueue
-from pagedllm.executor.abstract import Executor
-from pagedllm.outputs import ModelRunnerOutput
+from pagedllm.executor.abstract import DistributedExecutor, WorkerDiedError
 from pagedllm.spawn import exit_process, get_open_port, main_module_hidden, model_process_env
 from pagedllm.worker.cpu_binding import bind_threads, plan_cpu_binding
 
@@ -49,10 +47,6 @@ _SUCCESS, _FAILURE = "SUCCESS", "FAILURE"
 _POLL_S = 0.1  # how often a waiting reader checks whether a worker died
 
 
-class WorkerDiedError(RuntimeError):
-    """A worker process died or failed; the executor is unusable from then on."""
-
-
 @dataclass
 class _WorkerHandle:
     rank: int
@@ -62,15 +56,11 @@ class _WorkerHandle:
     response_mq: MessageQueue | None = None
 
 
-class MultiProcExecutor(Executor):
+class MultiProcExecutor(DistributedExecutor):
     """Runs `tensor_parallel_size x pipeline_parallel_size` worker processes (see the module
     docstring); returns the driver rank's outputs (the first rank of the last stage)."""
 
     def _init_executor(self) -> None:
-        parallel = self.config.parallel_config
-        self.world_size = parallel.world_size
-        self.output_rank = self.world_size - parallel.tensor_parallel_size
-        self._pp_size = parallel.pipeline_parallel_size
         self._failure: str | None = None
         self._closing = False
         self._lock = threading.Lock()
@@ -88,10 +78,6 @@ class MultiProcExecutor(Executor):
         # An engine in the user's own process (no engine process) may never be shut down
         # explicitly (Ctrl-C): stop the workers at interpreter exit, before its slow teardown.
         atexit.register(_shutdown_at_exit, weakref.ref(self))
-
-    @property
-    def max_concurrent_batches(self) -> int:
-        return self._pp_size
 
     # ---- start-up ------------------------------------------------------------------------
 
@@ -162,8 +148,6 @@ class MultiProcExecutor(Executor):
         unique_reply_rank: int | None = None,
         non_block: bool = False,
     ) -> Any:
-        """Run `Worker.<method>(*args)` on every rank; the list of their results, or only
-        `unique_reply_rank`'s result. `non_block`: a Future of it."""
         if self._failure is not None:
             raise WorkerDiedError(self._failure)
         self.rpc_broadcast_mq.enqueue((method, args, unique_reply_rank))
@@ -189,21 +173,6 @@ class MultiProcExecutor(Executor):
             if status == _FAILURE:
                 raise WorkerDiedError(f"worker rank {rank} failed: {result}")
             return result
-
-    def determine_num_kv_blocks(self) -> int:
-        # Every rank holds the same block ids over its own layers: the smallest budget wins.
-        return min(self.collective_rpc("determine_num_kv_blocks"))
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.collective_rpc("initialize_kv_cache", (num_blocks,))
-
-    def execute_model(
-        self, scheduler_output: SchedulerOutput, non_block: bool = False
-    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        return self.collective_rpc(
-            "execute_model", (scheduler_output,), unique_reply_rank=self.output_rank,
-            non_block=non_block,
-        )  # fmt: skip
 
     # ---- faults and shutdown -------------------------------------------------------------
 

@@ -28,9 +28,7 @@ from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched.output import SchedulerOutput
-from pagedllm.executor.abstract import Executor
-from pagedllm.executor.multiproc_executor import WorkerDiedError
-from pagedllm.outputs import ModelRunnerOutput
+from pagedllm.executor.abstract import DistributedExecutor, WorkerDiedError
 
 logger = logging.getLogger(__name__)
 
@@ -93,15 +91,11 @@ class RayWorkerWrapper:
         self._stop.wait()
 
 
-class RayDistributedExecutor(Executor):
+class RayDistributedExecutor(DistributedExecutor):
     """Runs the ranks as Ray actors (see the module docstring)."""
 
     def _init_executor(self) -> None:
         ray = self._ray = _import_ray()
-        parallel = self.config.parallel_config
-        self.world_size = parallel.world_size
-        self.output_rank = self.world_size - parallel.tensor_parallel_size
-        self._pp_size = parallel.pipeline_parallel_size
         self._failure: str | None = None
         self._lock = threading.Lock()
         self._closing = False
@@ -118,10 +112,6 @@ class RayDistributedExecutor(Executor):
         self._sentinels = [w.sentinel.remote() for w in self.workers]
         threading.Thread(target=self._watch_workers, name="RayWorkerWatch", daemon=True).start()
         logger.info("Ray executor: %d actors on %s", self.world_size, ray.get_runtime_context())
-
-    @property
-    def max_concurrent_batches(self) -> int:
-        return self._pp_size
 
     # ---- start-up ------------------------------------------------------------------------
 
@@ -197,8 +187,6 @@ class RayDistributedExecutor(Executor):
         unique_reply_rank: int | None = None,
         non_block: bool = False,
     ) -> Any:
-        """Run `Worker.<method>(*args)` on every rank; their results, or `unique_reply_rank`'s.
-        `non_block`: a Future of it."""
         if self._failure is not None:
             raise WorkerDiedError(self._failure)
         ray = self._ray
@@ -228,20 +216,6 @@ class RayDistributedExecutor(Executor):
                     self._fail(f"worker rank {rank} failed: {type(e).__name__}: {e}")
                     raise WorkerDiedError(self._failure) from None
         return ray.get(refs)
-
-    def determine_num_kv_blocks(self) -> int:
-        return min(self.collective_rpc("determine_num_kv_blocks"))
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.collective_rpc("initialize_kv_cache", (num_blocks,))
-
-    def execute_model(
-        self, scheduler_output: SchedulerOutput, non_block: bool = False
-    ) -> ModelRunnerOutput | Future[ModelRunnerOutput]:
-        return self.collective_rpc(
-            "execute_model", (scheduler_output,), unique_reply_rank=self.output_rank,
-            non_block=non_block,
-        )  # fmt: skip
 
     # ---- faults and shutdown -------------------------------------------------------------
 

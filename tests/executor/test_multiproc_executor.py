@@ -15,7 +15,8 @@ import pytest
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.executor.multiproc_executor import MultiProcExecutor, WorkerDiedError
+from pagedllm.executor.abstract import WorkerDiedError
+from pagedllm.executor.multiproc_executor import MultiProcExecutor
 
 pytestmark = pytest.mark.distributed
 

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.executor.multiproc_executor import WorkerDiedError
+from pagedllm.executor.abstract import WorkerDiedError
 from pagedllm.executor.ray_executor import RayDistributedExecutor
 from tests.entrypoints.conftest import cmdline, descendant_pids, pid_alive
 
