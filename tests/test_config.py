@@ -81,3 +81,28 @@ def test_cli_flags_and_short_forms():
     engine_args = EngineArgs.from_cli_args(args)
     assert (engine_args.tensor_parallel_size, engine_args.pipeline_parallel_size) == (2, 3)
     assert engine_args.distributed_executor_backend == "ray"
+
+
+_CONNECTOR = {
+    "kv_connector": "SharedStorageConnector",
+    "kv_role": "kv_both",
+    "kv_connector_extra_config": {"shared_storage_path": "/nonexistent/kv"},
+}
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"kv_transfer_config": _CONNECTOR}, "kv_transfer_config cannot be combined"),
+        ({"compilation_config": {"level": 3}}, "level=3 cannot be combined"),
+    ],
+)
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_features_that_need_one_rank_are_refused(tiny_llama_dir, kwargs, layout, match):
+    """A KV connector moves one rank's whole KV cache and torch.compile does not trace the
+    collectives: with several ranks each is a clear error, not a wrong result."""
+    args = EngineArgs(model=tiny_llama_dir, dtype="float32", **layout, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        args.create_engine_config()
+    args.tensor_parallel_size = args.pipeline_parallel_size = 1
+    assert args.create_engine_config().parallel_config.world_size == 1  # alone it is fine

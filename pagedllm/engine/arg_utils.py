@@ -174,7 +174,9 @@ class EngineArgs:
 
             kv_transfer_config = KVTransferConfig.from_dict(self.kv_transfer_config)
             KVConnectorFactory.validate(kv_transfer_config)
-            _check_kv_transfer_compatible(extra.get("speculative_config"))
+            _check_kv_transfer_compatible(extra.get("speculative_config"), parallel_config)
+        compilation_config = CompilationConfig.from_dict(self.compilation_config)
+        _check_compilation_compatible(compilation_config, parallel_config)
         return EngineConfig(
             model_config=model_config,
             cache_config=cache_config,
@@ -183,7 +185,7 @@ class EngineArgs:
             device_config=device_config,
             enforce_eager=self.enforce_eager,
             attention_backend=self.attention_backend,
-            compilation_config=CompilationConfig.from_dict(self.compilation_config),
+            compilation_config=compilation_config,
             structured_outputs_config=StructuredOutputsConfig(self.reasoning_parser),
             kv_transfer_config=kv_transfer_config,
             extra=extra,
@@ -284,15 +286,36 @@ def human_readable_int(value: str) -> int:
         ) from None
 
 
-def _check_kv_transfer_compatible(speculative_config: Any) -> None:
+def _check_kv_transfer_compatible(speculative_config: Any, parallel: ParallelConfig) -> None:
     """KV connectors move the target model's KV only; a drafter with a KV cache of its own
-    (draft model, EAGLE) would attend over positions it never computed."""
+    (draft model, EAGLE) would attend over positions it never computed. They also move one
+    process's whole KV: with several ranks each holds a shard (heads or layers), which the
+    connectors neither key nor gather per rank."""
+    if parallel.world_size > 1:
+        raise ValueError(
+            "kv_transfer_config cannot be combined with tensor_parallel_size="
+            f"{parallel.tensor_parallel_size} / pipeline_parallel_size="
+            f"{parallel.pipeline_parallel_size}: KV connectors move a single rank's KV cache; "
+            "use tensor_parallel_size=1 and pipeline_parallel_size=1"
+        )
     method = getattr(speculative_config, "method", None)
     if method in ("draft_model", "eagle"):
         raise ValueError(
             f"kv_transfer_config cannot be combined with speculative_config.method={method!r}: "
             "connectors move the target model's KV only, not the drafter's; use 'ngram' or "
             "'medusa'"
+        )
+
+
+def _check_compilation_compatible(compilation: CompilationConfig, parallel: ParallelConfig) -> None:
+    """torch.compile does not trace the tensor-parallel collectives (the shared-memory
+    all-reduce is Python over a mapped segment) nor the stage-to-stage sends."""
+    if compilation.level != 0 and parallel.world_size > 1:
+        raise ValueError(
+            f"compilation_config level={compilation.level} cannot be combined with "
+            f"tensor_parallel_size={parallel.tensor_parallel_size} / pipeline_parallel_size="
+            f"{parallel.pipeline_parallel_size}: the collectives between ranks are not "
+            "compiled; use level 0"
         )
 
 

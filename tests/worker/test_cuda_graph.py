@@ -11,7 +11,7 @@ import torch
 
 from pagedllm.attention.backend import CommonAttentionMetadata
 from pagedllm.attention.torch_backend import TorchAttentionBackend
-from pagedllm.config import CompilationConfig
+from pagedllm.config import CompilationConfig, ParallelConfig
 from pagedllm.ops.triton import triton_usable
 from pagedllm.worker import model_runner
 from pagedllm.worker.cuda_graph import (
@@ -75,6 +75,9 @@ def test_captured_mode_only_on_cuda_without_enforce_eager(make_engine_config, ti
     config.kv_transfer_config = object()  # a KV connector's hooks run per layer in Python
     assert not use_cuda_graphs(config, cuda, CapturableBackend())
     config.kv_transfer_config = None
+    config.parallel_config = ParallelConfig(tensor_parallel_size=2)  # collectives between ranks
+    assert not use_cuda_graphs(config, cuda, CapturableBackend())
+    config.parallel_config = ParallelConfig()
     config.enforce_eager = True
     assert not use_cuda_graphs(config, cuda, CapturableBackend())
 

@@ -130,3 +130,53 @@ def test_cpu_without_reader_keeps_the_cpu_default(make_engine_config, tiny_llama
     assert worker.determine_num_kv_blocks() == min(
         cache.DEFAULT_CPU_KV_CACHE_BYTES // per_block, usable
     )
+
+
+def _sizing_rank(rank: int, model_dir: str, layout: dict, init_file: str, out_file: str) -> None:
+    """One rank of a parallel world sizing its KV cache from a fake device; writes
+    (tokens its model forward saw, its blocks, its bytes per block)."""
+    from pagedllm.engine.arg_utils import EngineArgs
+
+    torch.set_num_threads(1)
+    args = EngineArgs(model=model_dir, dtype="float32", max_num_batched_tokens=48, max_num_seqs=5,
+                      gpu_memory_utilization=0.9, device="cpu", **layout)  # fmt: skip
+    worker = Worker(args.create_engine_config(), rank, rank, f"file://{init_file}",
+                    memory_reader=FakeReader())  # fmt: skip
+    worker.init_device()
+    worker.load_model()
+    seen: list[int] = []
+    worker.model_runner.model.register_forward_hook(
+        lambda m, args, out: seen.append(args[0].shape[0])
+    )
+    try:
+        num_blocks = worker.determine_num_kv_blocks()
+        torch.save((seen, num_blocks, worker.model_runner.kv_cache_bytes_per_block()), out_file)
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_every_rank_profiles_together(tiny_llama_dir, tmp_path, layout):
+    """With several ranks each profiles its own device in one collective forward: a later
+    stage receives the earlier one's activations, and only the driver samples."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    outs = [str(tmp_path / f"rank{r}.pt") for r in range(2)]
+    procs = [
+        ctx.Process(
+            target=_sizing_rank, args=(r, tiny_llama_dir, layout, str(tmp_path / "init"), outs[r])
+        )
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    kv_bytes = int(0.9 * 80 * GIB) - 3 * GIB - 512 * MIB  # no weights "allocated" here
+    for out in outs:
+        seen, num_blocks, per_block = torch.load(out)
+        assert seen == [48]
+        assert num_blocks == kv_bytes // per_block
