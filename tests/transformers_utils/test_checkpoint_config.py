@@ -104,7 +104,7 @@ def test_engine_process_does_not_import_transformers(tiny_model_dirs):
         f"""
         import pickle, sys
         from pagedllm.engine.arg_utils import EngineArgs
-        blob = pickle.dumps(EngineArgs(model={tiny_model_dirs['mistral']!r}, dtype="bfloat16",
+        blob = pickle.dumps(EngineArgs(model={tiny_model_dirs["mistral"]!r}, dtype="bfloat16",
                                        kv_cache_memory=1 << 22).create_engine_config())
         assert "transformers" not in sys.modules, "front end config"
         from pagedllm.engine.core import EngineCore

@@ -33,8 +33,14 @@ def _describe(tok) -> tuple:
 
 @pytest.mark.parametrize(
     "tokenizer_class",
-    [None, "TokenizersBackend", "PreTrainedTokenizerFast", "LlamaTokenizerFast",
-     "Qwen2TokenizerFast", "GPT2TokenizerFast"],
+    [
+        None,
+        "TokenizersBackend",
+        "PreTrainedTokenizerFast",
+        "LlamaTokenizerFast",
+        "Qwen2TokenizerFast",
+        "GPT2TokenizerFast",
+    ],
 )
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_same_tokenizer_as_transformers(tiny_model_dirs, tmp_path, arch, tokenizer_class):
@@ -57,7 +63,9 @@ def test_tokenizer_with_its_own_code_goes_to_transformers(tiny_llama_dir, tmp_pa
     model_dir = tmp_path / "m"
     shutil.copytree(tiny_llama_dir, model_dir)
     path = model_dir / "tokenizer_config.json"
-    path.write_text(json.dumps(json.loads(path.read_text()) | {"auto_map": {"AutoTokenizer": ["a.B", None]}}))
+    path.write_text(
+        json.dumps(json.loads(path.read_text()) | {"auto_map": {"AutoTokenizer": ["a.B", None]}})
+    )
     assert _light_model_config(model_dir) is None
 
 
