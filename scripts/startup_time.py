@@ -1,7 +1,7 @@
 """Start-up of `LLM(model=...)`: wall time and CPU seconds of both processes, in fresh
 interpreters.
 
-    python scripts/startup_time.py --model DIR [--runs 5] [-- EXTRA_LLM_KWARGS_AS_JSON]
+    python scripts/startup_time.py --model DIR [--runs 5] [--llm-kwargs JSON]
 
 Each run starts a new Python that imports pagedllm, builds `LLM(model=DIR, ...)` (the default
 multiprocess engine) and reports, at the moment the constructor returns: wall seconds since
