@@ -14,7 +14,7 @@ Three layouts, chosen per weight by `pack_linear_weight_` (called by the layers'
   every call; reordering once is 1.5-2.5x faster at decode sizes and bit-identical.
 - **Plain** `F.linear`: fp32 weights (kept exactly as transformers computes them, for the
   greedy oracle), and everything when `PAGEDLLM_CPU_PACK_WEIGHTS=0`. int8 weights without
-  the native kernel take `int8_linear`, the PyTorch reference (exact, slow).
+  the native kernel take `int8_linear`, the PyTorch reference (the same numbers).
 
 A packed copy replaces the plain weight (whose storage is freed), so packing costs no memory;
 only `packed_linear` reads it. `PAGEDLLM_CPU_KERNELS=0` disables the panels (pure PyTorch).
@@ -63,12 +63,12 @@ def _panel_ops(int8: bool):
 
 def can_use_panels(weight: torch.Tensor) -> bool:
     """Whether `weight` ([out, in], bf16 or int8 with scales) goes to a panel kernel."""
+    if weight.device.type != "cpu" or weight.dim() != 2:
+        return False
     int8 = weight.dtype == torch.int8
+    k = weight.shape[1]
     return (
-        weight.device.type == "cpu"
-        and weight.dim() == 2
-        and (weight.shape[1] <= INT8_MAX_K if int8 else weight.dtype == torch.bfloat16)
-        and (int8 or weight.shape[1] % 2 == 0)
+        (k <= INT8_MAX_K if int8 else weight.dtype == torch.bfloat16 and k % 2 == 0)
         and env_flag("PAGEDLLM_CPU_PACK_WEIGHTS", True)
         and _panel_ops(int8) is not None
     )
