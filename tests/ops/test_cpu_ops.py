@@ -61,7 +61,8 @@ def test_linear_int8_equals_the_reference(m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = (torch.randn(m, k, generator=g) * 3).to(BF16)
     x[0] = x[0].abs()  # a row without negatives (zero point 0), and one of zeros (span 0)
-    x[-1] = 0 if m > 1 else x[-1]
+    if m > 1:
+        x[-1] = 0
     q, scale = quantize_rows(torch.randn(n, k, generator=g))
     bias = torch.randn(n, generator=g).to(BF16)
     panels = to_panels(q)
