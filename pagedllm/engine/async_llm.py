@@ -65,15 +65,25 @@ class AsyncLLM:
         engine_core_cls: type | None = None,
         tokenizer: Any = None,
     ) -> None:
-        from pagedllm.transformers_utils.tokenizer import get_tokenizer
+        from pagedllm.transformers_utils.tokenizer import get_tokenizer_while
 
         self.config = config
         self.model_config = config.model_config
         self.log_stats = log_stats
         self.log_requests = log_requests
         mc = config.model_config
+
+        def start_engine() -> AsyncMPClient:
+            return EngineCoreClient.make_client(  # type: ignore[return-value]
+                config, multiprocess_mode=True, asyncio_mode=True, engine_core_cls=engine_core_cls
+            )
+
         if tokenizer is None:
-            tokenizer = get_tokenizer(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
+            tokenizer, self.engine_core = get_tokenizer_while(
+                start_engine, mc.tokenizer, trust_remote_code=mc.trust_remote_code
+            )
+        else:
+            self.engine_core = start_engine()
         self.tokenizer = tokenizer
         self.processor = Processor(config, tokenizer)
         # The one thread besides the event loop that tokenizes (prompts, chat templates,
@@ -82,9 +92,6 @@ class AsyncLLM:
         # thread encodes with it ("Already borrowed"). Detokenization stays on the loop.
         self.tokenizer_executor = ThreadPoolExecutor(1, thread_name_prefix="Tokenizer")
         self.output_processor = OutputProcessor(tokenizer)
-        self.engine_core: AsyncMPClient = EngineCoreClient.make_client(  # type: ignore[assignment]
-            config, multiprocess_mode=True, asyncio_mode=True, engine_core_cls=engine_core_cls
-        )
         config.cache_config.num_blocks = self.engine_core.num_blocks  # sized by the core
         self.prometheus: PrometheusStatLogger | None = None
         if stat_loggers is None and log_stats:

@@ -15,7 +15,7 @@ from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.metrics.stats import IterationStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
-from pagedllm.transformers_utils.tokenizer import get_tokenizer
+from pagedllm.transformers_utils.tokenizer import get_tokenizer_while
 
 logger = logging.getLogger(__name__)
 
@@ -31,12 +31,15 @@ class LLMEngine:
     ) -> None:
         self.config = config
         mc = config.model_config
-        self.tokenizer = get_tokenizer(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
+        self.tokenizer, self.engine_core = get_tokenizer_while(
+            lambda: EngineCoreClient.make_client(
+                config, multiprocess_mode=multiprocess_mode, asyncio_mode=False
+            ),
+            mc.tokenizer,
+            trust_remote_code=mc.trust_remote_code,
+        )
         self.processor = Processor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = EngineCoreClient.make_client(
-            config, multiprocess_mode=multiprocess_mode, asyncio_mode=False
-        )
         config.cache_config.num_blocks = self.engine_core.num_blocks  # sized by the core
         self.stat_loggers = stat_loggers or []
 

@@ -3,18 +3,18 @@
 Three layouts, chosen per weight by `pack_linear_weight_` (called by the layers'
 `process_weights_after_loading`):
 
-- **Panels** (`weight_panels`, pagedllm's own C++ kernel, `pagedllm/ops/csrc/gemm.h`): on CPUs
-  with AVX512-BF16 and without AMX (AMD Zen 4/5, Intel Cooper Lake). One layout serves every
-  batch size: it streams the weights at memory bandwidth for decode-sized batches (oneDNN
-  reaches ~40-60% of it at M = 1) and matches oneDNN's throughput for large ones. int8
-  weights (`weight_scale` set, weight-only quantization) use the same layout and kernel on any
-  CPU with AVX512-BF16.
+- **Panels** (`weight_panels`, pagedllm's own C++ kernels, `pagedllm/ops/csrc/gemm*.h`): bf16
+  weights on CPUs with AVX512-BF16 and without AMX (AMD Zen 4/5, Intel Cooper Lake). One
+  layout serves every batch size: it streams the weights at memory bandwidth for decode-sized
+  batches (oneDNN reaches ~40-60% of it at M = 1) and matches oneDNN's throughput for large
+  ones. int8 weights (`weight_scale` set, `layers/quantization.py`) go to the W8A8 kernel on
+  any CPU with AVX512-VNNI (`weight_colsum` beside them).
 - **oneDNN prepacked** (`weight_packed`): other x86 CPUs, AMX ones included (oneDNN picks AMX
   for large batches by itself). `F.linear` on a row-major bf16 weight would reorder it on
   every call; reordering once is 1.5-2.5x faster at decode sizes and bit-identical.
 - **Plain** `F.linear`: fp32 weights (kept exactly as transformers computes them, for the
   greedy oracle), and everything when `PAGEDLLM_CPU_PACK_WEIGHTS=0`. int8 weights without
-  the native kernel are widened per call (correct, not fast).
+  the native kernel take `int8_linear`, the PyTorch reference (the same numbers).
 
 A packed copy replaces the plain weight (whose storage is freed), so packing costs no memory;
 only `packed_linear` reads it. `PAGEDLLM_CPU_KERNELS=0` disables the panels (pure PyTorch).
@@ -28,9 +28,11 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.config import env_flag
+from pagedllm.layers.quantization import int8_linear
 from pagedllm.ops import cpu_ops
 
 PANEL = 64  # output channels per panel (gemm.h's kPanel)
+INT8_MAX_K = 65536  # gemm_int8.h's kMaxInt8K: its int32 sums are exact up to here
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -46,40 +48,54 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 
 @functools.cache
-def _panel_ops(allow_amx: bool):
-    """The native ops when this CPU runs the panel GEMM (AVX512-BF16; AMX CPUs only when
-    `allow_amx`, i.e. for int8, which oneDNN does not cover), else None."""
+def _panel_ops(int8: bool):
+    """The native ops when this CPU runs the panel GEMM for this weight dtype (bf16:
+    AVX512-BF16 without AMX, where oneDNN is better; int8: AVX512-VNNI), else None."""
     ops = cpu_ops()
-    if ops is None or not ops.cpu_has_avx512_bf16():
+    if ops is None:
         return None
-    if not allow_amx and torch.cpu._is_amx_tile_supported():
+    if int8:
+        return ops if ops.cpu_has_avx512_vnni() else None
+    if not ops.cpu_has_avx512_bf16() or torch.cpu._is_amx_tile_supported():
         return None
     return ops
 
 
 def can_use_panels(weight: torch.Tensor) -> bool:
-    """Whether `weight` ([out, in], bf16 or int8 with scales) goes to the panel kernel."""
+    """Whether `weight` ([out, in], bf16 or int8 with scales) goes to a panel kernel."""
+    if weight.device.type != "cpu" or weight.dim() != 2:
+        return False
+    int8 = weight.dtype == torch.int8
+    k = weight.shape[1]
     return (
-        weight.device.type == "cpu"
-        and weight.dim() == 2
-        and weight.shape[1] % 2 == 0
-        and weight.dtype in (torch.bfloat16, torch.int8)
+        (k <= INT8_MAX_K if int8 else weight.dtype == torch.bfloat16 and k % 2 == 0)
         and env_flag("PAGEDLLM_CPU_PACK_WEIGHTS", True)
-        and _panel_ops(allow_amx=weight.dtype == torch.int8) is not None
+        and _panel_ops(int8) is not None
     )
 
 
 def to_panels(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [ceil(N / 64), K / 2, 64, 2]: panels of 64 output channels, k-pairs inside
-    (zero rows pad N to a whole panel)."""
+    """[N, K] -> [ceil(N / 64), K / g, 64, g] with g = 2 (bf16: k-pairs) or 4 (int8: k-quads):
+    panels of 64 output channels, k-groups inside; zero rows pad N to a whole panel, and
+    zero columns K to whole groups."""
     n, k = weight.shape
-    padded = F.pad(weight, (0, 0, 0, -n % PANEL)) if n % PANEL else weight
-    return padded.reshape(-1, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    group = 4 // weight.element_size()
+    padded = F.pad(weight, (0, -k % group, 0, -n % PANEL)) if n % PANEL or k % group else weight
+    # A k-group moves as one int32: a plain 2-D transpose per panel, ~5x faster than
+    # permuting its elements separately.
+    words = padded.contiguous().view(torch.int32).reshape(-1, PANEL, padded.shape[1] // group)
+    return (
+        words.transpose(1, 2)
+        .contiguous()
+        .view(weight.dtype)
+        .reshape(-1, words.shape[2], PANEL, group)
+    )
 
 
-def from_panels(panels: torch.Tensor, n: int) -> torch.Tensor:
-    """Inverse of `to_panels`: the [n, K] weight."""
-    return panels.permute(0, 2, 1, 3).reshape(-1, panels.shape[1] * 2)[:n]
+def from_panels(panels: torch.Tensor, n: int, k: int | None = None) -> torch.Tensor:
+    """Inverse of `to_panels`: the [n, k] weight (k: all of the panels' K by default)."""
+    full = panels.permute(0, 2, 1, 3).reshape(-1, panels.shape[1] * panels.shape[3])
+    return full[:n] if k is None else full[:n, :k]
 
 
 def pack_linear_weight_(module: torch.nn.Module) -> None:
@@ -87,8 +103,13 @@ def pack_linear_weight_(module: torch.nn.Module) -> None:
     free the plain copy's storage. No-op where no packing applies."""
     weight = module.weight.data
     bf16_activations = getattr(module, "activation_dtype", weight.dtype) == torch.bfloat16
-    if can_use_panels(weight) and bf16_activations:  # the kernel multiplies bf16 x
+    if can_use_panels(weight) and bf16_activations:  # the kernels multiply bf16 x
         module.weight_panels = to_panels(weight)
+        if weight.dtype == torch.int8:  # sum_k q[n, k], for the activations' zero points
+            colsum = weight.sum(dim=1, dtype=torch.int32)
+            module.weight_colsum = F.pad(
+                colsum, (0, module.weight_panels.shape[0] * PANEL - len(colsum))
+            )
     elif weight.dtype == torch.bfloat16 and can_pack(weight):
         module.weight_packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
     else:
@@ -103,32 +124,32 @@ def packed_linear(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """`F.linear(x, W, bias)` for the module's weight W in whichever layout it has, times
-    `module.weight_scale` per output channel for int8 weights; the result is in `out_dtype`
+    """`F.linear(x, W, bias)` for the module's weight W in whichever layout it has (int8
+    weights: the W8A8 product of `layers/quantization.py`); the result is in `out_dtype`
     (default: x's dtype)."""
     flat = x.reshape(-1, x.shape[-1])
     scale = getattr(module, "weight_scale", None)
     panels = getattr(module, "weight_panels", None)
-    if panels is not None:
-        y = cpu_ops().linear(
+    out_fp32 = out_dtype == torch.float32
+    if panels is not None and scale is not None:
+        y = cpu_ops().linear_int8(
             flat.contiguous(),
             panels,
             scale,
+            module.weight_colsum,
             bias,
             module.weight_out_features,
-            out_dtype == torch.float32,
+            out_fp32,
         )
+    elif panels is not None:
+        y = cpu_ops().linear(flat.contiguous(), panels, bias, module.weight_out_features, out_fp32)
+    elif scale is not None:  # int8 without the native kernel: the reference
+        y = int8_linear(flat, module.weight, scale, bias, out_dtype or x.dtype)
     else:
         packed = getattr(module, "weight_packed", None)
         if packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), packed, bias, "none", [], "")
-        elif scale is not None:  # int8 without the native kernel
-            y = F.linear(flat, module.weight.to(x.dtype)).float() * scale
-            y = y if bias is None else y + bias
         else:
             y = F.linear(flat, module.weight, bias)
-        if out_dtype is not None:
-            y = y.to(out_dtype)
-        elif y.dtype != x.dtype:
-            y = y.to(x.dtype)
+        y = y.to(out_dtype or x.dtype)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])

@@ -1,4 +1,6 @@
-"""Weight-only int8 quantization (`quantization="int8"`, `--quantization int8`).
+"""int8 quantization (`quantization="int8"`, `--quantization int8`): int8 weights with a
+scale per output channel, activations quantized per token on the fly (W8A8, dynamic; what
+vLLM's CPU int8 path computes).
 
 A transform applied to a built model before its checkpoint is loaded: every linear layer and
 an untied LM head get an int8 weight and a float32 scale per output channel,
@@ -10,8 +12,11 @@ tensor-parallel shard along the outputs takes its rows' scales; one along the in
 the whole rows' scales, which factor out of its partial sums). The bf16 weight is never held
 whole: the layers' plain weights are replaced before loading, while still unwritten.
 
-Activations stay in the model dtype; products are exact and accumulate in float32
-(`layers/cpu_gemm.py`). Tied embeddings stay unquantized (the table is also read as rows).
+At run time each row of the input is quantized to uint8 over its own range
+(`quantize_activations`) and multiplied in exact integer arithmetic (`int8_linear`, the
+reference; the native kernel, `pagedllm/ops/csrc/gemm_int8.h`, computes the same numbers with
+AVX512-VNNI). A row's result depends on that row alone. Tied embeddings stay unquantized (the
+table is also read as rows).
 """
 
 from __future__ import annotations
@@ -37,6 +42,45 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return q, scale
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[M, K] -> (xq [M, K] uint8, scale [M] float32, zero [M] int32) with
+    x ~= scale[:, None] * (xq - zero[:, None]): per row, asymmetric over [min(x, 0), max(x, 0)],
+    round half to even, in float32 (the native kernel's arithmetic, step for step)."""
+    xf = x.float()
+    lo = xf.amin(dim=1).clamp(max=0.0)
+    span = xf.amax(dim=1).clamp(min=0.0) - lo
+    span = torch.where(span > 0, span, torch.ones_like(span))
+    levels = torch.full_like(span, 255.0)  # tensor / tensor: an IEEE division (a Python
+    inv = levels / span  # scalar on either side may become a multiply by a reciprocal)
+    zero = torch.round(-lo * inv)
+    xq = (torch.round(xf * inv[:, None]) + zero[:, None]).clamp_(0, 255)
+    return xq.to(torch.uint8), span / levels, zero.to(torch.int32)
+
+
+def int8_linear(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The int8 layer: x [M, K] (any float dtype), q [N, K] int8, w_scale [N] -> [M, N] in
+    `out_dtype`, y = float(sum_k (xq - zero) q) * x_scale * w_scale + bias, the sums exact."""
+    xq, x_scale, zero = quantize_activations(x)
+    if x.device.type == "cpu":
+        # int8 x int8 -> int32 (`_int_mm`): xq - zero = (xq - 128) - (zero - 128). Exact for
+        # K <= 65536: the true sum fits in int32, so wrapped partial terms cancel.
+        shifted = (xq.to(torch.int16) - 128).to(torch.int8)
+        colsum = q.sum(dim=1, dtype=torch.int32)
+        dot = torch._int_mm(shifted, q.T) - (zero - 128)[:, None] * colsum[None, :]
+    else:  # `_int_mm` has shape limits on CUDA; float64 sums are exact too (|sum| < 2^53)
+        dot = (xq.double() - zero.double()[:, None]) @ q.double().T
+    y = dot.float() * x_scale[:, None] * w_scale.float()[None, :]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
 
 
 def _int8_layer_(module: nn.Module, load_scale) -> None:

@@ -54,7 +54,8 @@ def _compute_inv_freq(
     if rope_type == "default":
         exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim
         return 1.0 / (base**exponents), 1.0
-    from transformers import LlamaConfig
+    # PretrainedConfig, not LlamaConfig: the latter's import costs ~1 s more (torch._dynamo).
+    from transformers import PretrainedConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
@@ -65,14 +66,13 @@ def _compute_inv_freq(
     scaling = {k: v for k, v in rope_parameters.items() if k != "partial_rotary_factor"}
     # A one-head config whose head is exactly the rotary part: the init functions read only
     # the rope fields, head_dim and max_position_embeddings from it.
-    shim = LlamaConfig(
+    shim = PretrainedConfig(
         hidden_size=rotary_dim,
         num_attention_heads=1,
         num_key_value_heads=1,
         head_dim=rotary_dim,
         max_position_embeddings=max_position,
-        rope_theta=base,
-        rope_scaling=scaling,
+        rope_parameters=scaling | {"rope_theta": base},
     )
     inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](shim, None)
     return inv_freq.to(torch.float32), float(attention_scaling)

@@ -6,7 +6,7 @@ Python ABI, under `$PAGEDLLM_CACHE_DIR` (default `~/.cache/pagedllm`): the first
 machine compiles it (about 10-20 s of CPU), every later start only loads the library.
 `make venv` builds it at install time (`python -m pagedllm.ops`). The binary runs on any
 x86-64 CPU: the kernels pick AVX-512-BF16, AVX-512, AVX2 or baseline code at run time, and
-callers ask `cpu_ops().cpu_has_avx512_bf16()` before using the packed-weight GEMM.
+callers ask `cpu_has_avx512_bf16()` / `cpu_has_avx512_vnni()` before using the panel GEMMs.
 
 `PAGEDLLM_CPU_KERNELS=0` turns the native path off (pure PyTorch everywhere).
 """

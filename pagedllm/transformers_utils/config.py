@@ -7,6 +7,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from pagedllm.transformers_utils.checkpoint_config import (
+    checkpoint_config_from_dict,
+    is_light_model_type,
+    read_config_json,
+)
+
 
 def resolve_local_dir(name: str, what: str = "model") -> Path:
     """`name` as an existing local directory, or a ValueError that explains there is no hub."""
@@ -22,12 +28,18 @@ def resolve_local_dir(name: str, what: str = "model") -> Path:
 
 
 def get_hf_config(model: str, trust_remote_code: bool = False, **kwargs: Any) -> Any:
-    """The transformers `PretrainedConfig` of the checkpoint directory `model`."""
-    from transformers import AutoConfig
-
+    """The config of the checkpoint directory `model`: a `CheckpointConfig` (config.json read
+    without transformers) for the model types pagedllm runs, else transformers' `AutoConfig`
+    (`kwargs` go to it, and force it)."""
     path = resolve_local_dir(model)
     if not (path / "config.json").is_file():
         raise ValueError(f"model={str(model)!r} has no config.json; is it a checkpoint directory?")
+    if not kwargs:
+        raw = read_config_json(path)
+        if is_light_model_type(raw):
+            return checkpoint_config_from_dict(raw)
+    from transformers import AutoConfig
+
     return AutoConfig.from_pretrained(
         str(path), trust_remote_code=trust_remote_code, local_files_only=True, **kwargs
     )

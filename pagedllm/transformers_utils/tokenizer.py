@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
 
+from pagedllm.transformers_utils.checkpoint_config import (
+    checkpoint_config_from_dict,
+    is_light_model_type,
+    read_config_json,
+)
 from pagedllm.transformers_utils.config import resolve_local_dir
+
+T = TypeVar("T")
 
 
 def get_tokenizer(name: str, trust_remote_code: bool = False, **kwargs: Any) -> Any:
@@ -16,9 +27,52 @@ def get_tokenizer(name: str, trust_remote_code: bool = False, **kwargs: Any) -> 
 
     path = resolve_local_dir(name, what="tokenizer")
     kwargs.setdefault("local_files_only", True)
+    if "config" not in kwargs and not trust_remote_code:
+        light = _light_model_config(path)
+        if light is not None:
+            kwargs["config"] = light
     try:
         return AutoTokenizer.from_pretrained(
             str(path), trust_remote_code=trust_remote_code, **kwargs
         )
     except (OSError, ValueError) as e:
         raise ValueError(f"could not load a tokenizer from {str(name)!r}: {e}") from e
+
+
+def _light_model_config(path: Path) -> Any:
+    """The checkpoint's config without transformers (a `CheckpointConfig`) when AutoTokenizer
+    can be handed it, else None (AutoTokenizer then reads config.json through transformers'
+    config classes, whose import costs ~1 s of CPU).
+
+    AutoTokenizer reads a config only for its `model_type` and `tokenizer_class` while
+    tokenizer_config.json names the tokenizer class and ships no code of its own; without a
+    class name it looks the config's class up in its tables, which only the real one is in.
+    """
+    try:
+        tok_config = json.loads((path / "tokenizer_config.json").read_text())
+        raw = read_config_json(path)
+    except (OSError, ValueError):
+        return None
+    if not tok_config.get("tokenizer_class") or "auto_map" in tok_config:
+        return None
+    if not is_light_model_type(raw):
+        return None
+    return checkpoint_config_from_dict(raw | {"_name_or_path": str(path)})
+
+
+def get_tokenizer_while(
+    start: Callable[[], T], name: str, trust_remote_code: bool = False
+) -> tuple[Any, T]:
+    """(the tokenizer of `name`, `start()`), the tokenizer loaded on a thread while `start`
+    runs: starting an engine is mostly waiting for its process, and transformers' import and
+    the tokenizer's files take 1-2 s of CPU the front end would otherwise spend first. If the
+    tokenizer fails to load, `start()`'s result is shut down (`.shutdown()`) before the error
+    is raised."""
+    with ThreadPoolExecutor(1, thread_name_prefix="TokenizerLoad") as pool:
+        future = pool.submit(get_tokenizer, name, trust_remote_code=trust_remote_code)
+        started = start()
+        try:
+            return future.result(), started
+        except BaseException:
+            started.shutdown()  # type: ignore[attr-defined]
+            raise

@@ -39,13 +39,23 @@ def test_fp32_is_never_packed():
     assert getattr(layer, "weight_panels", None) is None
 
 
-@pytest.mark.parametrize("shape", [(64, 2), (100, 6), (130, 768)])
-def test_panels_round_trip(shape):
-    w = torch.randn(*shape).to(torch.bfloat16)
+SHAPES = [(64, 2), (100, 6), (130, 768)]
+
+
+@pytest.mark.parametrize(
+    "dtype,shape",
+    [(torch.bfloat16, s) for s in SHAPES] + [(torch.int8, s) for s in SHAPES + [(65, 7)]],
+)
+def test_panels_round_trip(dtype, shape):
+    """bf16: k-pairs; int8: k-quads, K padded with zero columns to whole quads."""
+    n, k = shape
+    w = (torch.randn(n, k) * 50).to(dtype)
+    group = 2 if dtype == torch.bfloat16 else 4
     panels = to_panels(w)
-    assert panels.shape == (-(-shape[0] // 64), shape[1] // 2, 64, 2)
-    assert torch.equal(from_panels(panels, shape[0]), w)
-    assert not from_panels(panels, panels.shape[0] * 64)[shape[0] :].any()  # zero padding
+    assert panels.shape == (-(-n // 64), -(-k // group), 64, group)
+    assert torch.equal(from_panels(panels, n, k), w)
+    full = from_panels(panels, panels.shape[0] * 64)
+    assert not full[n:].any() and not full[:, k:].any()  # zero padding
 
 
 @needs_packing

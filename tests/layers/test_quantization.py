@@ -1,5 +1,6 @@
-"""Weight-only int8: quantization in the weight loaders, per-rank shards, the int8 GEMM paths
-and the engine's `quantization="int8"` (greedy agreement with bf16 on a trained model)."""
+"""int8 (W8A8): weight quantization in the loaders, per-rank shards, activation quantization,
+the int8 GEMM paths (kernel equal to the reference, error bounded by the quantization) and the
+engine's `quantization="int8"` (greedy agreement with bf16 on a trained model)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,12 @@ from pagedllm.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
-from pagedllm.layers.quantization import check_quantization, quantize_model_, quantize_rows
+from pagedllm.layers.quantization import (
+    check_quantization,
+    quantize_activations,
+    quantize_model_,
+    quantize_rows,
+)
 from pagedllm.layers.vocab_embedding import ParallelLMHead
 
 
@@ -97,25 +103,60 @@ def test_ranks_hold_their_slice_of_the_whole_quantized_layer(tp, monkeypatch):
             assert torch.equal(_dequantized(part[name]), want), (name, rank)
 
 
-@pytest.mark.parametrize("panels", [True, False])
-def test_int8_linear_matches_dequantized_weights(panels, monkeypatch):
-    if not panels:
-        monkeypatch.setenv("PAGEDLLM_CPU_PACK_WEIGHTS", "0")  # the widening fallback
+def _within_activation_quantization_error(y, x, w_deq) -> None:
+    """y ~= x @ w_deq.T up to what quantizing x's rows costs: at most one step of each row's
+    scale per input (times |w|), plus the output's own rounding to y's dtype."""
+    ref = F.linear(x.double(), w_deq.double())
+    _, x_scale, _ = quantize_activations(x)
+    bound = x_scale.double()[:, None] * w_deq.double().abs().sum(dim=1)[None, :]
+    bound += ref.abs() * torch.finfo(y.dtype).eps + 1e-6
+    assert ((y.double() - ref).abs() <= bound).all()
+
+
+def test_quantize_activations_bounds_the_error():
+    x = torch.randn(4, 300) * torch.tensor([1e-3, 1.0, 50.0, 1.0])[:, None]
+    x[3] = x[3].abs()  # no negatives: zero point 0
+    x = torch.cat([x, torch.zeros(1, 300)])  # all zeros: a finite scale, exactly 0 back
+    xq, scale, zero = quantize_activations(x)
+    assert xq.dtype == torch.uint8 and zero[3] == 0 and zero[4] == 0 and not xq[4].any()
+    err = (scale[:, None] * (xq.float() - zero[:, None]) - x).abs()
+    assert (err <= scale[:, None]).all()  # a step at most (the clamp at 255), half mostly
+    assert (err <= scale[:, None] * 0.501).float().mean() > 0.99
+
+
+def _int8_outputs(x, panels: bool, monkeypatch):
+    """(the block's layers that take 64 inputs, their outputs on x) through the panel kernel
+    or the PyTorch reference."""
+    monkeypatch.setenv("PAGEDLLM_CPU_PACK_WEIGHTS", "1" if panels else "0")
     model = _layers(1, 0, monkeypatch)
     _load(model)
-    ref = {name: _dequantized(layer) for name, layer in model.items()}
+    del model["down"]
     for layer in model.values():
         layer.process_weights_after_loading()
-    if panels and getattr(model["qkv"], "weight_panels", None) is None:
-        pytest.skip("no AVX512-BF16 panel kernel on this CPU")
+    has_panels = getattr(model["qkv"], "weight_panels", None) is not None
+    if panels and not has_panels:
+        pytest.skip("no AVX512-VNNI int8 kernel on this CPU")
+    assert has_panels == panels
+    return model, {name: layer(x) for name, layer in model.items()}
+
+
+def test_int8_linear_is_within_the_activation_quantization_error(monkeypatch):
     x = torch.randn(5, 64).to(torch.bfloat16)
-    for name in ("qkv", "proj"):
-        y = model[name](x)
+    model, outs = _int8_outputs(x, False, monkeypatch)
+    for name, y in outs.items():
         assert y.dtype == torch.bfloat16
-        torch.testing.assert_close(y.float(), F.linear(x.float(), ref[name]), rtol=2e-2, atol=2e-2)
+        _within_activation_quantization_error(y, x, _dequantized(model[name]))
 
 
-def test_int8_in_an_fp32_model_takes_the_widening_path():
+def test_int8_panel_kernel_equals_the_reference(monkeypatch):
+    x = torch.randn(7, 64).to(torch.bfloat16)
+    _, fast = _int8_outputs(x, True, monkeypatch)
+    _, ref = _int8_outputs(x, False, monkeypatch)
+    for name in ref:
+        assert torch.equal(fast[name], ref[name]), name
+
+
+def test_int8_in_an_fp32_model_takes_the_reference_path():
     with torch.device("cpu"):
         layer = quantize_model_(nn.ModuleList([ReplicatedLinear(64, 32)]), "int8")[0]
     w = torch.randn(32, 64)
@@ -123,7 +164,9 @@ def test_int8_in_an_fp32_model_takes_the_widening_path():
     layer.process_weights_after_loading()
     assert getattr(layer, "weight_panels", None) is None and layer.weight.dtype == torch.int8
     x = torch.randn(3, 64)
-    torch.testing.assert_close(layer(x), F.linear(x, _dequantized(layer)), rtol=1e-5, atol=1e-5)
+    y = layer(x)
+    assert y.dtype == torch.float32
+    _within_activation_quantization_error(y, x, _dequantized(layer))
 
 
 def test_lm_head_scales_follow_its_vocab_rows():

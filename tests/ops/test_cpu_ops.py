@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.cpu_gemm import to_panels
 from pagedllm.layers.layernorm import RMSNorm
-from pagedllm.layers.quantization import quantize_rows
+from pagedllm.layers.quantization import int8_linear, quantize_rows
 from pagedllm.layers.rotary_embedding import get_rope
 from pagedllm.ops import cpu_ops
 
@@ -22,6 +22,9 @@ ops = cpu_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="native CPU ops not built here")
 needs_bf16 = pytest.mark.skipif(
     ops is None or not ops.cpu_has_avx512_bf16(), reason="no AVX512-BF16 on this CPU"
+)
+needs_vnni = pytest.mark.skipif(
+    ops is None or not ops.cpu_has_avx512_vnni(), reason="no AVX512-VNNI on this CPU"
 )
 BF16 = torch.bfloat16
 
@@ -36,29 +39,55 @@ def torch_path(monkeypatch):
 @needs_bf16
 @pytest.mark.parametrize("m", [1, 3, 6, 7, 64, 97, 200])
 @pytest.mark.parametrize("n,k", [(1, 2), (64, 64), (100, 768), (130, 770), (1280, 96)])
-def test_linear_bf16_and_int8(m, n, k):
+def test_linear_bf16(m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=g).to(BF16)
     w = (torch.randn(n, k, generator=g) * 0.1).to(BF16)
     bias = torch.randn(n, generator=g).to(BF16)
     ref = F.linear(x.double(), w.double(), bias.double())
     for out_fp32 in (False, True):
-        y = ops.linear(x, to_panels(w), None, bias, n, out_fp32)
+        y = ops.linear(x, to_panels(w), bias, n, out_fp32)
         assert y.dtype == (torch.float32 if out_fp32 else BF16) and y.shape == (m, n)
         tol = 1e-4 if out_fp32 else 1e-2
         torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol * 4)
-    q, scale = quantize_rows(w)
-    ref_q = F.linear(x.double(), q.double() * scale.double()[:, None])
-    y = ops.linear(x, to_panels(q), scale, None, n, True)
-    torch.testing.assert_close(y.double(), ref_q, rtol=1e-4, atol=1e-4)
+
+
+@needs_vnni
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 97, 200])
+@pytest.mark.parametrize("n,k", [(1, 1), (64, 64), (100, 770), (130, 3001), (1280, 96)])
+def test_linear_int8_equals_the_reference(m, n, k):
+    """The W8A8 kernel computes `int8_linear`'s numbers exactly (integer sums, the same float
+    steps), for K not a multiple of 4, partial panels, bias or none, either output dtype."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = (torch.randn(m, k, generator=g) * 3).to(BF16)
+    x[0] = x[0].abs()  # a row without negatives (zero point 0), and one of zeros (span 0)
+    if m > 1:
+        x[-1] = 0
+    q, scale = quantize_rows(torch.randn(n, k, generator=g))
+    bias = torch.randn(n, generator=g).to(BF16)
+    panels = to_panels(q)
+    colsum = F.pad(q.sum(dim=1, dtype=torch.int32), (0, panels.shape[0] * 64 - n))
+    for out_fp32, b in ((False, bias), (True, None), (True, bias)):
+        y = ops.linear_int8(x, panels, scale, colsum, b, n, out_fp32)
+        dtype = torch.float32 if out_fp32 else BF16
+        assert torch.equal(y, int8_linear(x, q, scale, b, dtype))
 
 
 @needs_bf16
 def test_linear_reads_strided_rows():
     x = torch.randn(5, 96).to(BF16)[:, :64]  # rows 96 apart
     w = torch.randn(32, 64).to(BF16)
-    y = ops.linear(x, to_panels(w), None, None, 32, True)
+    y = ops.linear(x, to_panels(w), None, 32, True)
     torch.testing.assert_close(y, F.linear(x.float(), w.float()), rtol=1e-4, atol=1e-4)
+
+
+@needs_vnni
+def test_linear_int8_reads_strided_rows():
+    x = torch.randn(5, 96).to(BF16)[:, :64]  # rows 96 apart
+    q, scale = quantize_rows(torch.randn(32, 64))
+    colsum = F.pad(q.sum(dim=1, dtype=torch.int32), (0, 32))
+    y = ops.linear_int8(x, to_panels(q), scale, colsum, None, 32, True)
+    assert torch.equal(y, int8_linear(x.contiguous(), q, scale, None, torch.float32))
 
 
 @pytest.mark.parametrize("rows,hidden", [(1, 64), (5, 768), (300, 96)])

@@ -1,15 +1,15 @@
-// Linear layers on weights packed for AVX512-BF16 (vdpbf16ps): bf16 or int8 weight-only.
+// Linear layers on bf16 weights packed for AVX512-BF16 (vdpbf16ps); int8 weights have their own
+// kernel (gemm_int8.h) on the same panel scheme.
 //
-// Packed layout (both dtypes): [N_pad / 64][K / 2][64][2]. A "panel" is 64 output channels
+// Packed layout: [N_pad / 64][K / 2][64][2]. A "panel" is 64 output channels
 // over all of K; inside it, each k-pair holds 64 x 2 consecutive values (output channel n,
 // inputs 2 kp and 2 kp + 1), i.e. four 64-byte vectors of bf16 pairs that vdpbf16ps
 // multiplies by a broadcast pair of x. Panels are contiguous, so one output tile streams one
 // sequential run of memory (what the hardware prefetchers follow at full bandwidth when M is
 // small and the weights come from DRAM).
 //
-// y[m, n] = scale[n] * sum_k x[m, k] w[n, k] + bias[n]: products exact in fp32, fp32
-// accumulation; int8 panels are widened to bf16 (exact: |q| <= 127) a K-chunk at a time
-// into a per-thread scratch panel, so both dtypes share one micro-kernel.
+// y[m, n] = sum_k x[m, k] w[n, k] + bias[n]: products exact in fp32, fp32 accumulation in an
+// order fixed by K alone (so a row's result never depends on the batch).
 //
 // Work: (row block of <= 96 rows) x (panel) items, split over ATen's threads. A thread keeps
 // its row block (x) in L2 while it walks panels; a panel K-chunk (<= 96 KB) is reread from
@@ -34,14 +34,11 @@ constexpr int64_t kPanel = 64;      // output channels per panel
 constexpr int64_t kRowTile = 6;     // rows per micro-kernel call: 6 x 4 accumulators
 constexpr int64_t kRowBlock = 96;   // rows per work item
 constexpr int64_t kKChunk = 384;    // k-pairs per chunk: a 96 KB bf16 panel chunk
-constexpr int64_t kDirectInt8Rows = 4;  // up to this many rows, int8 is widened in registers
 
 struct GemmArgs {
   const uint16_t* x;      // [M, ldx] bf16, K used
   int64_t M, K, ldx;
-  const void* w;          // packed panels (uint16 bf16 or int8)
-  bool w_int8;
-  const float* scales;    // [N] or nullptr (int8 only)
+  const uint16_t* w;      // packed panels
   const uint16_t* bias;   // [N] bf16 or nullptr
   int64_t N;
   void* out;              // [M, ldo] bf16 or fp32
@@ -49,27 +46,15 @@ struct GemmArgs {
   int64_t ldo;
 };
 
-// Vector j (16 outputs x 2 inputs) of a k-pair's 64 x 2 panel values, as bf16 pairs: loaded
-// (bf16 panels) or widened in registers, exactly (int8 panels).
+// Vector j (16 outputs x 2 inputs) of a k-pair's 64 x 2 panel values, as bf16 pairs.
 PAGEDLLM_BF16_TARGET static inline __m512bh load_pairs(const uint16_t* wk, int j) {
   return (__m512bh)_mm512_loadu_si512(wk + 32 * j);
 }
 
-PAGEDLLM_BF16_TARGET static inline __m512bh load_pairs(const int8_t* wk, int j) {
-  const int8_t* src = wk + 32 * j;
-  const __m512 lo = _mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
-  const __m512 hi = _mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
-  return _mm512_cvtne2ps_pbh(hi, lo);
-}
-
-// c[MT][64] (+)= x[MT rows, 2 kp0 .. 2 (kp0 + nkp)] * panel chunk w (bf16, or int8 widened in
-// registers: for a few rows, where the weights stream from DRAM and a widened scratch copy
-// would cost a second pass over them).
-template <int MT, typename W>
+// c[MT][64] (+)= x[MT rows, 2 kp0 .. 2 (kp0 + nkp)] * panel chunk w.
+template <int MT>
 PAGEDLLM_BF16_TARGET static inline void micro(
-    const uint16_t* x, int64_t ldx, const W* w, int64_t nkp, float* c, bool load_c) {
+    const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t nkp, float* c, bool load_c) {
   // Accumulators start at zero and are added to c at the end (not loaded from c): with a
   // conditional start GCC keeps a stack copy of all 24 and stores it every iteration.
   __m512 acc[MT][4];
@@ -78,7 +63,7 @@ PAGEDLLM_BF16_TARGET static inline void micro(
   const int32_t* xr[MT];
   for (int m = 0; m < MT; ++m) xr[m] = reinterpret_cast<const int32_t*>(x + m * ldx);
   for (int64_t kp = 0; kp < nkp; ++kp) {
-    const W* wk = w + kp * 2 * kPanel;
+    const uint16_t* wk = w + kp * 2 * kPanel;
     if (MT <= 4) _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * 2 * kPanel), _MM_HINT_T0);
     const __m512bh w0 = load_pairs(wk, 0), w1 = load_pairs(wk, 1);
     const __m512bh w2 = load_pairs(wk, 2), w3 = load_pairs(wk, 3);
@@ -98,9 +83,8 @@ PAGEDLLM_BF16_TARGET static inline void micro(
     }
 }
 
-template <typename W>
 PAGEDLLM_BF16_TARGET static inline void micro_dispatch(
-    int64_t rows, const uint16_t* x, int64_t ldx, const W* w, int64_t nkp, float* c,
+    int64_t rows, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t nkp, float* c,
     bool load_c) {
   switch (rows) {
     case 1: micro<1>(x, ldx, w, nkp, c, load_c); break;
@@ -112,31 +96,13 @@ PAGEDLLM_BF16_TARGET static inline void micro_dispatch(
   }
 }
 
-// int8 panel chunk (nkp x 128 values) -> bf16 (exact) in scratch.
-PAGEDLLM_BF16_TARGET static inline void widen_int8(const int8_t* src, int64_t nkp, uint16_t* dst) {
-  for (int64_t i = 0; i < nkp * 2 * kPanel; i += 32)
-    _mm512_storeu_si512(dst + i, (__m512i)load_pairs(src + i, 0));
-}
-
-// Rows [m0, m1) x panel p: K-chunks, 6-row tiles, then the epilogue (scale, bias, store).
+// Rows [m0, m1) x panel p: K-chunks, 6-row tiles, then the epilogue (bias, store).
 PAGEDLLM_BF16_TARGET static void gemm_item(
-    const GemmArgs& a, int64_t m0, int64_t m1, int64_t p, float* c, uint16_t* scratch) {
+    const GemmArgs& a, int64_t m0, int64_t m1, int64_t p, float* c) {
   const int64_t kp_total = a.K / 2;
   for (int64_t kp0 = 0; kp0 < kp_total; kp0 += kKChunk) {
     const int64_t nkp = std::min(kKChunk, kp_total - kp0);
-    const int64_t off = (p * kp_total + kp0) * 2 * kPanel;
-    if (a.w_int8 && m1 - m0 <= kDirectInt8Rows) {
-      micro_dispatch(m1 - m0, a.x + m0 * a.ldx + 2 * kp0, a.ldx,
-                     static_cast<const int8_t*>(a.w) + off, nkp, c, kp0 > 0);
-      continue;
-    }
-    const uint16_t* panel;
-    if (a.w_int8) {
-      widen_int8(static_cast<const int8_t*>(a.w) + off, nkp, scratch);
-      panel = scratch;
-    } else {
-      panel = static_cast<const uint16_t*>(a.w) + off;
-    }
+    const uint16_t* panel = a.w + (p * kp_total + kp0) * 2 * kPanel;
     for (int64_t m = m0; m < m1; m += kRowTile) {
       const int64_t rows = std::min(kRowTile, m1 - m);
       micro_dispatch(rows, a.x + m * a.ldx + 2 * kp0, a.ldx, panel, nkp,
@@ -149,7 +115,6 @@ PAGEDLLM_BF16_TARGET static void gemm_item(
       const float* cr = c + (m - m0) * kPanel;
       for (int64_t j = 0; j < kPanel; j += 16) {
         __m512 v = _mm512_loadu_ps(cr + j);
-        if (a.scales) v = _mm512_mul_ps(v, _mm512_loadu_ps(a.scales + n0 + j));
         if (a.bias) {
           __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bias + n0 + j));
           v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
@@ -168,7 +133,6 @@ PAGEDLLM_BF16_TARGET static void gemm_item(
     const float* cr = c + (m - m0) * kPanel;
     for (int64_t n = n0; n < n1; ++n) {
       float v = cr[n - n0];
-      if (a.scales) v *= a.scales[n];
       if (a.bias) v += bf16_to_fp32(a.bias[n]);
       if (a.out_fp32)
         static_cast<float*>(a.out)[m * a.ldo + n] = v;
@@ -183,11 +147,10 @@ PAGEDLLM_BF16_TARGET static void gemm_items(const GemmArgs& a, int64_t begin, in
   const int64_t panels = (a.N + kPanel - 1) / kPanel;
   const int64_t block = std::min(kRowBlock, a.M);
   std::vector<float> c(block * kPanel);
-  std::vector<uint16_t> scratch(a.w_int8 ? kKChunk * 2 * kPanel : 0);
   for (int64_t i = begin; i < end; ++i) {
     const int64_t mb = i / panels, p = i % panels;
     const int64_t m0 = mb * block, m1 = std::min(a.M, m0 + block);
-    gemm_item(a, m0, m1, p, c.data(), scratch.data());
+    gemm_item(a, m0, m1, p, c.data());
   }
 }
 

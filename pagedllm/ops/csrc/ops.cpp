@@ -13,6 +13,7 @@
 #include "attention.h"
 #include "elementwise.h"
 #include "gemm.h"
+#include "gemm_int8.h"
 
 namespace pagedllm {
 namespace {
@@ -32,28 +33,62 @@ int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::
 
 bool cpu_has_avx512_bf16() { return __builtin_cpu_supports("avx512bf16"); }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& scales,
-                  const c10::optional<at::Tensor>& bias, int64_t n, bool out_fp32) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                  int64_t n, bool out_fp32) {
   TORCH_CHECK(cpu_has_avx512_bf16(), "pagedllm::linear needs AVX512-BF16");
   check_rows(x, "x");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % 2 == 0, "in_features must be even");
-  TORCH_CHECK(w.is_contiguous() && w.dim() == 4 && w.size(0) * kPanel >= n &&
-                  w.size(1) * 2 == K && w.size(2) == kPanel && w.size(3) == 2,
-              "w must be packed [ceil(N / 64), K / 2, 64, 2]");
-  const bool w_int8 = w.scalar_type() == at::kChar;
-  TORCH_CHECK(w_int8 || w.scalar_type() == at::kBFloat16, "w must be bfloat16 or int8");
-  TORCH_CHECK(w_int8 == scales.has_value(), "int8 weights need scales (and only they)");
-  if (scales) TORCH_CHECK(scales->scalar_type() == at::kFloat && scales->is_contiguous() && scales->numel() >= n, "scales: float32 [N]");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.dim() == 4 &&
+                  w.size(0) * kPanel >= n && w.size(1) * 2 == K && w.size(2) == kPanel &&
+                  w.size(3) == 2,
+              "w must be bfloat16 packed [ceil(N / 64), K / 2, 64, 2]");
   if (bias) TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == n, "bias: bfloat16 [N]");
   at::Tensor out = at::empty({M, n}, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
   if (M == 0) return out;
-  GemmArgs a{bf16_ptr(x), M, K, x.stride(0), w.data_ptr(), w_int8,
-             scales ? scales->data_ptr<float>() : nullptr, bias ? bf16_ptr(*bias) : nullptr,
+  GemmArgs a{bf16_ptr(x), M, K, x.stride(0), bf16_ptr(w), bias ? bf16_ptr(*bias) : nullptr,
              n, out.data_ptr(), out_fp32, n};
   const int64_t panels = (n + kPanel - 1) / kPanel;
   const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
   at::parallel_for(0, blocks * panels, 1, [&](int64_t b, int64_t e) { gemm_items(a, b, e); });
+  return out;
+}
+
+bool cpu_has_avx512_vnni() { return __builtin_cpu_supports("avx512vnni"); }
+
+// y = W8A8(x, w): rows of x quantized to uint8 on the fly (gemm_int8.h).
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
+                       const at::Tensor& colsum, const c10::optional<at::Tensor>& bias, int64_t n,
+                       bool out_fp32) {
+  TORCH_CHECK(cpu_has_avx512_vnni(), "pagedllm::linear_int8 needs AVX512-VNNI");
+  check_rows(x, "x");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.is_contiguous() && w.dim() == 4 &&
+                  w.size(0) * kPanel >= n && w.size(1) * 4 >= K && w.size(1) * 4 < K + 4 &&
+                  w.size(2) == kPanel && w.size(3) == 4,
+              "w must be int8 packed [ceil(N / 64), ceil(K / 4), 64, 4]");
+  TORCH_CHECK(K <= kMaxInt8K, "int8 layers take at most ", kMaxInt8K, " inputs");
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() && w_scale.numel() >= n, "w_scale: float32 [N]");
+  TORCH_CHECK(colsum.scalar_type() == at::kInt && colsum.is_contiguous() && colsum.numel() == w.size(0) * kPanel, "colsum: int32 [N_pad]");
+  if (bias) TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == n, "bias: bfloat16 [N]");
+  at::Tensor out = at::empty({M, n}, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
+  if (M == 0) return out;
+  const int64_t Kq = w.size(1), K_pad = 4 * Kq;
+  at::Tensor xq = at::empty({M, K_pad}, x.options().dtype(at::kByte));
+  at::Tensor x_scale = at::empty({M}, x.options().dtype(at::kFloat));
+  at::Tensor x_zero = at::empty({M}, x.options().dtype(at::kInt));
+  at::parallel_for(0, M, row_grain(K), [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m)
+      quantize_row_u8(bf16_ptr(x) + m * x.stride(0), K, K_pad, xq.data_ptr<uint8_t>() + m * K_pad,
+                      x_scale.data_ptr<float>() + m, x_zero.data_ptr<int32_t>() + m);
+  });
+  Int8GemmArgs a{xq.data_ptr<uint8_t>(), x_scale.data_ptr<float>(), x_zero.data_ptr<int32_t>(),
+                 M, Kq, K_pad, w.data_ptr<int8_t>(), w_scale.data_ptr<float>(),
+                 colsum.data_ptr<int32_t>(), bias ? bf16_ptr(*bias) : nullptr, n,
+                 out.data_ptr(), out_fp32, n};
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
+  at::parallel_for(0, blocks * panels, 1, [&](int64_t b, int64_t e) { gemm_int8_items(a, b, e); });
   return out;
 }
 
@@ -150,8 +185,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
 
 TORCH_LIBRARY(pagedllm, m) {
   m.def("cpu_has_avx512_bf16() -> bool", &pagedllm::cpu_has_avx512_bf16);
-  m.def("linear(Tensor x, Tensor w, Tensor? scales, Tensor? bias, int n, bool out_fp32) -> Tensor",
+  m.def("cpu_has_avx512_vnni() -> bool", &pagedllm::cpu_has_avx512_vnni);
+  m.def("linear(Tensor x, Tensor w, Tensor? bias, int n, bool out_fp32) -> Tensor",
         &pagedllm::linear);
+  m.def("linear_int8(Tensor x, Tensor w, Tensor w_scale, Tensor colsum, Tensor? bias, int n, "
+        "bool out_fp32) -> Tensor", &pagedllm::linear_int8);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &pagedllm::rms_norm);
   m.def("fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor",
         &pagedllm::fused_add_rms_norm);
