@@ -194,9 +194,16 @@ PP_LAYER_PARTITION_ENV = "PAGEDLLM_PP_LAYER_PARTITION"
 
 @dataclass
 class ParallelConfig:
-    """How one model is spread over processes: `tensor_parallel_size` ranks per pipeline
-    stage, `pipeline_parallel_size` stages, run by the `distributed_executor_backend`
-    executor (None until `resolve_executor_backend` picks the default)."""
+    """How the model is spread. Inside one engine core: `tensor_parallel_size` ranks per
+    pipeline stage, `pipeline_parallel_size` stages, run by the `distributed_executor_backend`
+    executor (None until `resolve_executor_backend` picks the default). Across engine cores:
+    data parallelism (each engine a full copy of the model with its own KV cache).
+
+    Data parallelism (vLLM's flags): `data_parallel_size` engines in all, of which
+    `data_parallel_size_local` run on this node with ranks from `data_parallel_start_rank`.
+    Engines on other nodes (`pagedllm serve --headless`) reach the head's front end at
+    `data_parallel_address:data_parallel_rpc_port`. `data_parallel_rank` is filled in per
+    engine."""
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -204,6 +211,20 @@ class ParallelConfig:
     distributed_executor_backend: str | None = None
     # Decoder layers per pipeline stage (None: an even split), from PAGEDLLM_PP_LAYER_PARTITION.
     pp_layer_partition: list[int] | None = None
+    data_parallel_size_local: int | None = None  # None: all of data_parallel_size
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str | None = None  # None: 127.0.0.1
+    data_parallel_rpc_port: int | None = None  # None: DEFAULT_DP_RPC_PORT (multi-node only)
+    data_parallel_backend: str = "mp"
+    # Not vLLM's: whether the death of one engine stops the front end (True) or the others
+    # keep serving (False, default).
+    data_parallel_stop_on_engine_death: bool = False
+    # Filled in per engine.
+    data_parallel_rank: int = 0
+    data_parallel_rank_local: int = 0
+
+    DEFAULT_DP_ADDRESS = "127.0.0.1"
+    DEFAULT_DP_RPC_PORT = 29550  # vLLM's default
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
@@ -221,6 +242,29 @@ class ParallelConfig:
                 f"{self.tensor_parallel_size} x pipeline_parallel_size="
                 f"{self.pipeline_parallel_size} needs {self.world_size}; use 'mp' or 'ray'"
             )
+        dp = self.data_parallel_size
+        if self.data_parallel_size_local is None:
+            self.data_parallel_size_local = dp
+        local, start = self.data_parallel_size_local, self.data_parallel_start_rank
+        if not 0 <= local <= dp:
+            raise ValueError(
+                f"data_parallel_size_local={local} must be between 0 and "
+                f"data_parallel_size={dp}"
+            )
+        if start < 0 or start + local > dp:
+            raise ValueError(
+                f"data_parallel_start_rank={start} with data_parallel_size_local={local} "
+                f"runs ranks {start}..{start + local - 1}, outside data_parallel_size={dp}"
+            )
+        if self.data_parallel_backend not in ("mp", "ray"):
+            raise ValueError(
+                f"data_parallel_backend={self.data_parallel_backend!r} must be 'mp' or 'ray'"
+            )
+        port = self.data_parallel_rpc_port
+        if port is not None and not 0 < port < 65536:
+            raise ValueError(f"data_parallel_rpc_port={port} must be in 1..65535")
+        if self.data_parallel_address is None:
+            self.data_parallel_address = self.DEFAULT_DP_ADDRESS
 
     @property
     def world_size(self) -> int:
@@ -280,6 +324,14 @@ def parse_pp_layer_partition(text: str | None) -> list[int] | None:
         raise ValueError(
             f"{PP_LAYER_PARTITION_ENV}={text!r} must be comma-separated layer counts, e.g. '5,7'"
         ) from None
+    @property
+    def data_parallel_multi_node(self) -> bool:
+        """Whether some engines run on another node (they then connect over TCP)."""
+        return self.data_parallel_size_local < self.data_parallel_size
+
+    @property
+    def data_parallel_handshake_port(self) -> int:
+        return self.data_parallel_rpc_port or self.DEFAULT_DP_RPC_PORT
 
 
 @dataclass

@@ -28,7 +28,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):  #
     arrival_time: float
     priority: int = 0
     eos_token_id: int | None = None
-    # Opaque to the core; only the front end reads these back.
+    # Read by the front end only: with data parallelism, the engine to send this request to
+    # (None: the load balancer picks one).
     data_parallel_rank: int | None = None
     # Set for a beam-search request: the core runs the whole search and answers once, with
     # EngineCoreOutput.beam_sequences (`sampling_params` then only guides detokenization).
@@ -96,6 +97,11 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):  #
     timestamp: float = 0.0
     # Reply to a utility call: (call id, result or None, error message or None).
     utility_output: tuple[int, Any, str | None] | None = None
+    # The engine (data-parallel rank) these outputs come from.
+    engine_index: int = 0
+    # Set by the front end's client only: requests that failed because their engine died,
+    # request id -> error text (an empty dict still says an engine died).
+    errored_requests: dict[str, str] | None = None
 
 
 class EngineCoreRequestType(bytes, enum.Enum):
@@ -107,3 +113,5 @@ class EngineCoreRequestType(bytes, enum.Enum):
     SHUTDOWN = b"\x04"
     # Internal to the engine process (never on the wire): a worker of the executor died.
     EXECUTOR_FAILED = b"\x05"
+    # From the DP coordinator: the engines start a new wave of steps (see engine/coordinator.py).
+    START_DP_WAVE = b"\x06"

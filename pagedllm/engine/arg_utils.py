@@ -63,6 +63,12 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int = 0
+    data_parallel_address: str | None = None
+    data_parallel_rpc_port: int | None = None
+    data_parallel_backend: str = "mp"
+    data_parallel_stop_on_engine_death: bool = False
     distributed_executor_backend: str | None = None
     speculative_config: dict[str, Any] | None = None
     reasoning_parser: str | None = None
@@ -148,6 +154,12 @@ class EngineArgs:
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
             data_parallel_size=self.data_parallel_size,
+            data_parallel_size_local=self.data_parallel_size_local,
+            data_parallel_start_rank=self.data_parallel_start_rank,
+            data_parallel_address=self.data_parallel_address,
+            data_parallel_rpc_port=self.data_parallel_rpc_port,
+            data_parallel_backend=self.data_parallel_backend,
+            data_parallel_stop_on_engine_death=self.data_parallel_stop_on_engine_death,
             distributed_executor_backend=self.distributed_executor_backend,
             pp_layer_partition=parse_pp_layer_partition(os.environ.get(PP_LAYER_PARTITION_ENV)),
         )
@@ -371,6 +383,15 @@ _HELP = {
     "distributed_executor_backend": "uni (one process), mp (a worker process per rank on this "
     "machine) or ray (Ray actors; attaches to RAY_ADDRESS or starts a local cluster). Default: "
     "uni for one rank, ray when a Ray cluster is in use, else mp.",
+    "data_parallel_size": "Engine cores in all, each a full model copy with its own KV cache.",
+    "data_parallel_size_local": "Engine cores on this node (default: data_parallel_size).",
+    "data_parallel_start_rank": "Rank of the first engine core on this node (headless nodes).",
+    "data_parallel_address": "Address of the head node that engines connect to (127.0.0.1).",
+    "data_parallel_rpc_port": "Head node port for the engines' start-up handshake (29550).",
+    "data_parallel_backend": "mp (processes) or ray (Ray actors; needs pagedllm[ray]).",
+    "data_parallel_stop_on_engine_death": (
+        "Stop serving when one engine core dies (default: the others keep serving)."
+    ),
     "speculative_config": 'JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'.',
     "kv_transfer_config": (
         'JSON, e.g. \'{"kv_connector": "OffloadingConnector", "kv_role": "kv_both", '

@@ -291,6 +291,9 @@ class AsyncLLM:
         try:
             while True:
                 outputs = await self.engine_core.get_output_async()
+                if outputs.errored_requests is not None:
+                    await self._fail_requests(outputs.errored_requests)
+                    continue
                 stats = IterationStats() if self.log_stats else None
                 batch = outputs.outputs
                 for start in range(0, max(len(batch), 1), _OUTPUT_CHUNK_SIZE):
@@ -312,6 +315,19 @@ class AsyncLLM:
                 logger.exception("AsyncLLM output handler failed")
             self._error = error
             self.output_processor.propagate_error(error)
+
+    async def _fail_requests(self, errored: dict[str, str]) -> None:
+        """A data-parallel engine died while the others serve on: its requests end with
+        `EngineDeadError`."""
+        errors = {rid: EngineDeadError(f"({text})") for rid, text in errored.items()}
+        siblings = self.output_processor.fail_requests(errors)
+        if siblings:
+            await self.engine_core.abort_requests_async(siblings)
+
+    @property
+    def dead_engines(self) -> dict[int, str]:
+        """Data-parallel engines that died while the others serve on: rank -> why."""
+        return self.engine_core.dead_engines
 
     async def _run_stats_logging(self) -> None:
         while True:

@@ -9,6 +9,7 @@ from typing import Any
 from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_client import EngineCoreClient
+from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, PromptType
@@ -73,6 +74,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs = self.engine_core.get_output()
+        if outputs.errored_requests is not None:
+            return self._fail_requests(outputs.errored_requests)
         it = IterationStats() if self.stat_loggers else None
         processed = self.output_processor.process_outputs(outputs.outputs, it, outputs.timestamp)
         if processed.reqs_to_abort:
@@ -80,6 +83,16 @@ class LLMEngine:
         for stat_logger in self.stat_loggers:
             stat_logger.record(outputs.scheduler_stats, it)
         return processed.request_outputs
+
+    def _fail_requests(self, errored: dict[str, str]) -> list[RequestOutput]:
+        """One data-parallel engine died while the others serve on. Its requests are dropped
+        and the first one's error raised: offline generation cannot return a partial batch
+        (`LLM.generate` aborts the rest)."""
+        errors = {rid: EngineDeadError(f"({text})") for rid, text in errored.items()}
+        self.engine_core.abort_requests(self.output_processor.fail_requests(errors))
+        if errors:
+            raise next(iter(errors.values()))
+        return []
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()

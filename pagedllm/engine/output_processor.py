@@ -184,6 +184,21 @@ class OutputProcessor:
                 found[state.parent.request_id if state.parent else state.request_id] = None
         return list(found)
 
+    def fail_requests(self, errors: dict[str, Exception]) -> list[str]:
+        """These requests' engine died: each consumer gets its error and the request is
+        dropped, with its siblings (n > 1) on other engines; returns those siblings' engine-core
+        ids, still to abort."""
+        to_abort: list[str] = []
+        for request_id, error in errors.items():
+            state = self.request_states.pop(request_id, None)
+            if state is None:
+                continue
+            if state.queue is not None:
+                state.queue.put(error)
+            if state.parent is not None:
+                to_abort += self.abort_requests([state.parent.request_id])
+        return to_abort
+
     def propagate_error(self, error: Exception) -> None:
         """The engine died: every waiting consumer gets `error`; all requests are dropped."""
         for state in self.request_states.values():

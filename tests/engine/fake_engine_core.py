@@ -12,6 +12,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+from pagedllm.config import DeviceConfig, ParallelConfig
 from pagedllm.engine import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -23,8 +24,16 @@ from pagedllm.engine import (
 CRASH_TOKEN = 666
 
 
-def fake_config(**kwargs) -> SimpleNamespace:
-    defaults = dict(num_blocks=42, step_delay=0.0, fail_start=False, worker_dies_after=None)
+def fake_config(parallel: dict | None = None, **kwargs) -> SimpleNamespace:
+    """A config for FakeEngineCore; `parallel`: ParallelConfig fields (data parallelism)."""
+    defaults = dict(
+        num_blocks=42,
+        step_delay=0.0,
+        fail_start=False,
+        worker_dies_after=None,
+        parallel_config=ParallelConfig(**(parallel or {})),
+        device_config=DeviceConfig("cpu"),
+    )
     defaults.update(kwargs)
     return SimpleNamespace(**defaults)
 
