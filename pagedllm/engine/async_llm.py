@@ -14,6 +14,7 @@ new one; `errored` turns true, `check_health()` raises and the periodic stats lo
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import secrets
@@ -31,8 +32,9 @@ from pagedllm.engine.exceptions import EngineDeadError, EngineGenerateError
 from pagedllm.engine.output_processor import OutputProcessor, RequestOutputCollector
 from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, PromptType
+from pagedllm.engine.utils import ClientConfig
 from pagedllm.metrics.loggers import LoggingStatLogger, StatLoggerBase
-from pagedllm.metrics.prometheus import PrometheusStatLogger
+from pagedllm.metrics.prometheus import PrometheusMetrics
 from pagedllm.metrics.stats import IterationStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -64,6 +66,7 @@ class AsyncLLM:
         stat_loggers: list[StatLoggerBase] | None = None,
         engine_core_cls: type | None = None,
         tokenizer: Any = None,
+        client_config: ClientConfig | None = None,
     ) -> None:
         from pagedllm.transformers_utils.tokenizer import get_tokenizer_while
 
@@ -75,7 +78,11 @@ class AsyncLLM:
 
         def start_engine() -> AsyncMPClient:
             return EngineCoreClient.make_client(  # type: ignore[return-value]
-                config, multiprocess_mode=True, asyncio_mode=True, engine_core_cls=engine_core_cls
+                config,
+                multiprocess_mode=True,
+                asyncio_mode=True,
+                engine_core_cls=engine_core_cls,
+                client_config=client_config,
             )
 
         if tokenizer is None:
@@ -93,13 +100,27 @@ class AsyncLLM:
         self.tokenizer_executor = ThreadPoolExecutor(1, thread_name_prefix="Tokenizer")
         self.output_processor = OutputProcessor(tokenizer)
         config.cache_config.num_blocks = self.engine_core.num_blocks  # sized by the core
-        self.prometheus: PrometheusStatLogger | None = None
+        engines = range(self.engine_core.num_engines)
+        self.prometheus: PrometheusMetrics | None = None
+        # Per engine (data-parallel rank): the loggers its outputs feed.
+        self._engine_loggers: list[list[StatLoggerBase]]
         if stat_loggers is None and log_stats:
-            self.prometheus = PrometheusStatLogger(
-                mc.name, max_model_len=mc.max_model_len, cache_config=config.cache_config
+            self.prometheus = PrometheusMetrics(
+                mc.name,
+                [
+                    dataclasses.replace(config.cache_config, num_blocks=n)
+                    for n in self.engine_core.engine_num_blocks
+                ],
+                max_model_len=mc.max_model_len,
             )
-            stat_loggers = [LoggingStatLogger(), self.prometheus]
-        self.stat_loggers: list[StatLoggerBase] = list(stat_loggers or [])
+            self._engine_loggers = [
+                [LoggingStatLogger(r), self.prometheus.for_engine(r)] for r in engines
+            ]
+        else:
+            self._engine_loggers = [list(stat_loggers or []) for _ in engines]
+        self.stat_loggers: list[StatLoggerBase] = list(
+            {id(lg): lg for loggers in self._engine_loggers for lg in loggers}.values()
+        )
         self.stats_interval_s = float(os.environ.get(STATS_INTERVAL_ENV, "10"))
         self._output_handler: asyncio.Task | None = None
         self._stats_task: asyncio.Task | None = None
@@ -293,6 +314,8 @@ class AsyncLLM:
                 outputs = await self.engine_core.get_output_async()
                 if outputs.errored_requests is not None:
                     await self._fail_requests(outputs.errored_requests)
+                    if self.prometheus is not None:
+                        self.prometheus.for_engine(outputs.engine_index).engine_dead.set(1)
                     continue
                 stats = IterationStats() if self.log_stats else None
                 batch = outputs.outputs
@@ -305,7 +328,7 @@ class AsyncLLM:
                         await self.engine_core.abort_requests_async(processed.reqs_to_abort)
                     if start + _OUTPUT_CHUNK_SIZE < len(batch):
                         await asyncio.sleep(0)
-                for stat_logger in self.stat_loggers:
+                for stat_logger in self._engine_loggers[outputs.engine_index]:
                     stat_logger.record(outputs.scheduler_stats, stats)
         except asyncio.CancelledError:
             raise

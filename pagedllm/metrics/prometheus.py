@@ -8,17 +8,31 @@ requests, KV block residency. The old `pagedllm:*` names are gone (no deprecatio
 every dashboard, test and benchmark in the repository reads the `vllm:` names).
 
 Each instance owns its `CollectorRegistry` (never the process-global one), so several engines
-in one process (tests) do not collide; `/metrics` renders `render()`. Every series carries
-the labels `model_name` (the first served model name) and `engine` (the engine index).
+in one process (tests) do not collide. Every series carries the labels `model_name` (the first
+served model name) and `engine` (the engine index: the data-parallel rank). `PrometheusMetrics`
+is a front end's `/metrics`: one logger per engine, rendered as one exposition.
+
+pagedllm's one addition to vLLM's series: `vllm:engine_dead{model_name,engine}` (a gauge, 1
+once that data-parallel engine has died while the others serve on; vLLM stops the whole server
+instead, so it has no such series).
+
+Several API server processes (`--api-server-count`) share the metrics through
+prometheus_client's multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`, set by the process that
+starts them): counters and histograms add up over the processes, each counting only its own
+requests and the scheduler stats sent to it; gauges show the most recent value written by any
+process (vLLM's `multiprocess_mode="mostrecent"`), as each engine's scheduler stats go to one
+API server per step.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from pagedllm.config import CacheConfig
 from pagedllm.engine import SchedulerStats
@@ -152,7 +166,11 @@ class PrometheusStatLogger:
                 "Information of the LLMEngine CacheConfig",
                 list(info),
                 registry=self.registry,
+                multiprocess_mode="mostrecent",
             ).labels(**info).set(1)
+        # pagedllm's addition (module docstring): 1 once this data-parallel engine died.
+        self.engine_dead = gauge("engine_dead", "1 if this data-parallel engine has died.")
+        self.engine_dead.set(0)
         self.spec_decoding = SpecDecodingProm(self.registry, labels, values)
 
     def _factories(
@@ -161,7 +179,9 @@ class PrometheusStatLogger:
         reg = self.registry
 
         def gauge(name: str, doc: str) -> Any:
-            return Gauge(f"vllm:{name}", doc, labels, registry=reg).labels(*values)
+            return Gauge(
+                f"vllm:{name}", doc, labels, registry=reg, multiprocess_mode="mostrecent"
+            ).labels(*values)
 
         def counter(name: str, doc: str) -> Any:
             return Counter(f"vllm:{name}", doc, labels, registry=reg).labels(*values)
@@ -219,4 +239,52 @@ class PrometheusStatLogger:
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this logger's registry."""
-        return generate_latest(self.registry)
+        return render_registries([self.registry])
+
+
+class PrometheusMetrics:
+    """A front end's metrics: one `PrometheusStatLogger` per engine, engine `r` described by
+    `cache_configs[r]` (each data-parallel engine sizes its own KV cache)."""
+
+    def __init__(
+        self, model_name: str, cache_configs: Sequence[CacheConfig], max_model_len: int
+    ) -> None:
+        self.loggers = [
+            PrometheusStatLogger(model_name, max_model_len, engine_index=r, cache_config=c)
+            for r, c in enumerate(cache_configs)
+        ]
+
+    def for_engine(self, engine_index: int) -> PrometheusStatLogger:
+        return self.loggers[engine_index]
+
+    def render(self) -> bytes:
+        return render_registries([lg.registry for lg in self.loggers])
+
+
+class _MergedCollector:
+    """Yields the metric families of several registries, those of one name merged into one
+    (an exposition may name each family once)."""
+
+    def __init__(self, registries: list[CollectorRegistry]) -> None:
+        self.registries = registries
+
+    def collect(self) -> Iterable[Any]:
+        families: dict[str, Any] = {}
+        for registry in self.registries:
+            for family in registry.collect():  # fresh objects on every collect
+                if family.name in families:
+                    families[family.name].samples.extend(family.samples)
+                else:
+                    families[family.name] = family
+        return families.values()
+
+
+def render_registries(registries: list[CollectorRegistry]) -> bytes:
+    """The text exposition of these registries; in multiprocess mode, of every process's
+    metrics instead (they all write to PROMETHEUS_MULTIPROC_DIR)."""
+    merged = CollectorRegistry(auto_describe=False)
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        MultiProcessCollector(merged)
+    else:
+        merged.register(_MergedCollector(registries))
+    return generate_latest(merged)

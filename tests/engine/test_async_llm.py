@@ -94,7 +94,7 @@ def test_abort_and_cancel_free_the_engine(engine, loop):
         with pytest.raises(asyncio.CancelledError):
             await task
         for _ in range(100):
-            stats = engine.prometheus
+            stats = engine.prometheus.for_engine(0)
             if not engine.output_processor.has_unfinished_requests() and (
                 stats.running._value.get() == 0 and stats.kv_usage._value.get() == 0
             ):

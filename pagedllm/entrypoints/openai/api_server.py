@@ -33,6 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.exceptions import EngineDeadError
+from pagedllm.engine.utils import ClientConfig
 from pagedllm.entrypoints.openai.cli_args import (
     expand_config_file,
     load_chat_template,
@@ -136,10 +137,15 @@ def _respond(result: Any) -> Response:
 def _register_routes(app: FastAPI) -> None:
     @app.get("/health")
     async def health(raw_request: Request) -> Response:
+        engine = raw_request.app.state.engine
         try:
-            await raw_request.app.state.engine.check_health()
+            await engine.check_health()
         except EngineDeadError as e:
             return error_response(OpenAIError.from_exception(e))
+        dead = engine.dead_engines
+        if dead:  # some data-parallel engines died; the others serve on
+            detail = {str(rank): reason for rank, reason in sorted(dead.items())}
+            return JSONResponse({"status": "degraded", "dead_engines": detail})
         return Response(status_code=200)
 
     @app.get("/version")
@@ -260,9 +266,14 @@ async def _engine_watchdog(app: FastAPI, engine: AsyncLLM, keep_alive: bool) -> 
         request_shutdown()
 
 
-def build_app(args: argparse.Namespace, engine: AsyncLLM | None = None) -> FastAPI:
+def build_app(
+    args: argparse.Namespace,
+    engine: AsyncLLM | None = None,
+    client_config: ClientConfig | None = None,
+) -> FastAPI:
     """The FastAPI app. Without `engine`, the lifespan builds one from `args` and owns it
-    (shuts it down on exit); a given engine stays the caller's."""
+    (shuts it down on exit); a given engine stays the caller's. `client_config`: this is one
+    of several API servers, whose engines another process launched."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncGenerator[None, None]:
@@ -272,7 +283,9 @@ def build_app(args: argparse.Namespace, engine: AsyncLLM | None = None) -> FastA
 
             engine_args = EngineArgs.from_cli_args(args)
             the_engine = AsyncLLM.from_engine_args(
-                engine_args, log_requests=log_requests_enabled(args)
+                engine_args,
+                log_requests=log_requests_enabled(args),
+                client_config=client_config,
             )
         else:
             the_engine = engine
@@ -326,13 +339,21 @@ def create_server_socket(host: str | None, port: int) -> socket.socket:
     return sock
 
 
-def run_server(args: argparse.Namespace) -> int:
+def run_server(
+    args: argparse.Namespace,
+    sock: socket.socket | None = None,
+    client_config: ClientConfig | None = None,
+) -> int:
     """Serve until SIGTERM / Ctrl-C, or until the engine dies; the engine process is stopped
-    before this returns the exit status (EXIT_CODE_ENGINE_DEAD after an engine death)."""
+    before this returns the exit status (EXIT_CODE_ENGINE_DEAD after an engine death).
+    `sock`: a bound socket to serve on, the caller's (several API server processes share
+    one); default: one bound here to --host / --port. `client_config` as in `build_app`."""
     import uvicorn
 
-    sock = create_server_socket(args.host, args.port)
-    app = build_app(args)
+    own_sock = sock is None
+    if sock is None:
+        sock = create_server_socket(args.host, args.port)
+    app = build_app(args, client_config=client_config)
     config = uvicorn.Config(
         app,
         host=args.host or "0.0.0.0",
@@ -348,7 +369,8 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         server.run(sockets=[sock])
     finally:
-        sock.close()
+        if own_sock:
+            sock.close()
     return EXIT_CODE_ENGINE_DEAD if getattr(app.state, "engine_dead_exit", False) else 0
 
 

@@ -97,6 +97,18 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=10.0,
         help="Seconds open connections get to finish after SIGTERM / Ctrl-C.",
     )
+    group.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="API server processes sharing the port, each talking to every engine.",
+    )
+    group.add_argument(
+        "--headless",
+        action="store_true",
+        help="Run only engine cores, which join the head node at --data-parallel-address "
+        "(with --data-parallel-start-rank and --data-parallel-size-local).",
+    )
     EngineArgs.add_cli_args(parser)
     return parser
 
