@@ -267,6 +267,21 @@ def test_dp_client_balances_routes_and_stops():
             out = client.get_output()
             if out.engine_index == 1 and out.scheduler_stats.num_running_reqs == 0:
                 break
+        # A busy engine gets fewer new requests, once the coordinator has published it.
+        for i in range(6):
+            busy = _request(f"busy{i}", [1], max_tokens=10_000)
+            busy.data_parallel_rank = 0
+            client.add_request(busy)
+        deadline = time.monotonic() + 10
+        while client._lb.counts[0] != [0, 6]:
+            assert time.monotonic() < deadline, "no published counts"
+            client.get_output()
+        for i in range(10):
+            client.add_request(_request(f"burst{i}", [i], max_tokens=2))
+        engines = _engines_of(client, 10)
+        # Scores 6 (engine 0) vs 0: engine 1 takes 2, then they alternate.
+        assert sum(engines[f"burst{i}"] == 1 for i in range(10)) >= 6
+        client.abort_requests([f"busy{i}" for i in range(6)])
         assert client.call_utility("get_num_blocks") == 42  # every engine answers
         pids = list(client.engine_pids.values())
         coordinator = client._resources.launcher.coordinator.proc
