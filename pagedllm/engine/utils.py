@@ -183,9 +183,12 @@ class _ProcHandle:
 
     def __call__(self) -> None:
         """Idempotent: SIGTERM (a clean exit), then SIGKILL after a grace period."""
+        if self.stopping.is_set():
+            return
         self.stopping.set()
         with contextlib.suppress(OSError):
-            os.write(self.wake_w, b"x")
+            os.write(self.wake_w, b"x")  # the monitor closes its end
+        os.close(self.wake_w)
         started = [p for p in self.procs.values() if p.pid is not None]
         for proc in started:
             if proc.is_alive():
@@ -254,6 +257,12 @@ class CoreEngineProcManager:
 
     def _monitor(self) -> None:
         handle = self._handle
+        try:
+            self._watch(handle)
+        finally:
+            os.close(handle.wake_r)
+
+    def _watch(self, handle: _ProcHandle) -> None:
         waiting = {p.sentinel: rank for rank, p in handle.procs.items()}
         while waiting and not handle.stopping.is_set():
             ready = multiprocessing.connection.wait([*waiting, handle.wake_r])
@@ -269,13 +278,6 @@ class CoreEngineProcManager:
                 self.deaths[rank] = reason
                 if self.on_death is not None:
                     self.on_death(rank, reason)
-
-    def join_all(self, timeout: float | None = None) -> None:
-        """Wait until every engine process has exited (headless nodes)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for proc in self._handle.procs.values():
-            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            proc.join(timeout=left)
 
     def shutdown(self) -> None:
         self._finalizer()
