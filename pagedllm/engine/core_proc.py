@@ -245,11 +245,11 @@ class EngineCoreProc:
             by_client.setdefault(index, []).append(out)
         first = next(iter(by_client), 0)
         for index in by_client.keys() | {first}:
-            part = EngineCoreOutputs(
-                outputs=by_client.get(index, []), engine_index=self.engine_index
+            part = msgspec.structs.replace(
+                outputs,
+                outputs=by_client.get(index, []),
+                scheduler_stats=outputs.scheduler_stats if index == first else None,
             )
-            if index == first:
-                part.scheduler_stats = outputs.scheduler_stats
             self.output_queue.put((index, part))
 
     def _handle_client_request(

@@ -218,9 +218,14 @@ def test_async_client():
 # --------------------------------------------------------------------- data parallelism
 
 
-def _dp_client(**parallel) -> DPLBSyncMPClient:
-    config = fake_config(parallel={"data_parallel_size": 2, **parallel}, step_delay=0.01)
-    return EngineCoreClient.make_client(config, engine_core_cls=FakeEngineCore)
+@pytest.fixture(scope="module")
+def dp_client():
+    """Two fake engines behind one DPLBSyncMPClient, shared by the tests below (the last one
+    kills them)."""
+    config = fake_config(parallel={"data_parallel_size": 2}, step_delay=0.01)
+    client = EngineCoreClient.make_client(config, engine_core_cls=FakeEngineCore)
+    yield client
+    client.shutdown()
 
 
 def _engines_of(client: EngineCoreClient, n_requests: int) -> dict[str, int]:
@@ -237,107 +242,82 @@ def _engines_of(client: EngineCoreClient, n_requests: int) -> dict[str, int]:
     return engines
 
 
+def _pinned(rid: str, rank: int, max_tokens: int = 4) -> EngineCoreRequest:
+    request = _request(rid, [1], max_tokens)
+    request.data_parallel_rank = rank
+    return request
+
+
 @pytest.mark.distributed
-def test_dp_client_balances_routes_and_stops():
-    client = _dp_client()
-    try:
-        assert isinstance(client, DPLBSyncMPClient) and client.num_engines == 2
-        for i in range(20):  # a burst, faster than any published count
-            client.add_request(_request(f"r{i}", [i], max_tokens=3))
-        engines = _engines_of(client, 20)
-        # 10 / 10, unless a publish lands mid-burst on a loaded machine.
-        assert abs(list(engines.values()).count(0) - 10) <= 2
-        pinned = _request("pinned", [1])
-        pinned.data_parallel_rank = 1
-        client.add_request(pinned)
-        assert _engines_of(client, 1)["pinned"] == 1
-        with pytest.raises(ValueError, match="data_parallel_rank=2"):
-            client.add_request(
-                EngineCoreRequest("x", [1], SamplingParams(), 0.0, data_parallel_rank=2)
-            )
-        # An abort goes to the engine that holds the request: its running count drops to 0.
-        long = _request("long", [1], max_tokens=10_000)
-        long.data_parallel_rank = 1
-        client.add_request(long)
-        while not client.get_output().outputs:
-            pass
-        client.abort_requests(["long"])
-        deadline = time.monotonic() + 5
+def test_dp_client_balances_and_routes(dp_client):
+    client = dp_client
+    assert isinstance(client, DPLBSyncMPClient) and client.num_engines == 2
+    for i in range(20):  # a burst, faster than any published count
+        client.add_request(_request(f"r{i}", [i], max_tokens=3))
+    engines = _engines_of(client, 20)
+    # 10 / 10, unless a publish lands mid-burst on a loaded machine.
+    assert abs(list(engines.values()).count(0) - 10) <= 2
+    client.add_request(_pinned("pinned", 1))
+    assert _engines_of(client, 1)["pinned"] == 1
+    with pytest.raises(ValueError, match="data_parallel_rank=2"):
+        client.add_request(_pinned("x", 2))
+    # An abort goes to the engine that holds the request: its running count drops to 0.
+    client.add_request(_pinned("long", 1, max_tokens=10_000))
+    while not client.get_output().outputs:
+        pass
+    client.abort_requests(["long"])
+    deadline = time.monotonic() + 5
+    while True:
+        assert time.monotonic() < deadline
+        out = client.get_output()
+        if out.engine_index == 1 and out.scheduler_stats.num_running_reqs == 0:
+            break
+    # A busy engine gets fewer new requests, once the coordinator has published it.
+    for i in range(6):
+        client.add_request(_pinned(f"busy{i}", 0, max_tokens=10_000))
+    deadline = time.monotonic() + 60
+    while client._lb.counts[0] != [0, 6]:
+        assert time.monotonic() < deadline, "no published counts"
+        client.get_output()
+    for i in range(10):
+        client.add_request(_request(f"burst{i}", [i], max_tokens=2))
+    engines = _engines_of(client, 10)
+    # Scores 6 (engine 0) vs 0: engine 1 takes 2, then they alternate.
+    assert sum(engines[f"burst{i}"] == 1 for i in range(10)) >= 6
+    client.abort_requests([f"busy{i}" for i in range(6)])
+    assert client.call_utility("get_num_blocks") == 42  # every engine answers
+
+
+@pytest.mark.distributed
+def test_dp_engine_death_fails_only_its_requests(dp_client):
+    client = dp_client
+    for rid, rank in (("a", 0), ("b", 1)):
+        client.add_request(_pinned(rid, rank, max_tokens=10_000))
+    seen: set[str] = set()  # (the outputs of earlier tests' aborted requests may still come)
+    while not seen >= {"a", "b"}:
+        seen |= {o.request_id for o in client.get_output().outputs}
+    os.kill(client.engine_pids[1], signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while True:
+        assert time.monotonic() < deadline, "the death was not reported"
+        out = client.get_output()
+        if out.errored_requests is not None:
+            break
+    assert out.engine_index == 1 and list(out.errored_requests) == ["b"]
+    assert "data-parallel engine 1" in out.errored_requests["b"]
+    assert set(client.dead_engines) == {1}
+    # The live engine keeps serving: "a" still runs, new requests go to engine 0.
+    client.add_request(_request("c", [1], max_tokens=3))
+    engines = _engines_of(client, 1)
+    assert engines["c"] == 0 and engines["a"] == 0
+    with pytest.raises(EngineDeadError, match="engine 1"):
+        client.add_request(_pinned("d", 1))
+    os.kill(client.engine_pids[0], signal.SIGKILL)  # the last one: everything stops
+    with pytest.raises(EngineDeadError):
         while True:
-            assert time.monotonic() < deadline
-            out = client.get_output()
-            if out.engine_index == 1 and out.scheduler_stats.num_running_reqs == 0:
-                break
-        # A busy engine gets fewer new requests, once the coordinator has published it.
-        for i in range(6):
-            busy = _request(f"busy{i}", [1], max_tokens=10_000)
-            busy.data_parallel_rank = 0
-            client.add_request(busy)
-        deadline = time.monotonic() + 60
-        while client._lb.counts[0] != [0, 6]:
-            assert time.monotonic() < deadline, "no published counts"
             client.get_output()
-        for i in range(10):
-            client.add_request(_request(f"burst{i}", [i], max_tokens=2))
-        engines = _engines_of(client, 10)
-        # Scores 6 (engine 0) vs 0: engine 1 takes 2, then they alternate.
-        assert sum(engines[f"burst{i}"] == 1 for i in range(10)) >= 6
-        client.abort_requests([f"busy{i}" for i in range(6)])
-        assert client.call_utility("get_num_blocks") == 42  # every engine answers
-        pids = list(client.engine_pids.values())
-        coordinator = client._resources.launcher.coordinator.proc
-    finally:
-        client.shutdown()
+    pids = list(client.engine_pids.values())
+    coordinator = client._resources.launcher.coordinator.proc
+    client.shutdown()
     assert all(_wait_gone(pid) for pid in pids)
     assert not coordinator.is_alive()
-
-
-@pytest.mark.distributed
-def test_dp_engine_death_fails_only_its_requests():
-    client = _dp_client()
-    try:
-        for rid, rank in (("a", 0), ("b", 1)):
-            request = _request(rid, [1], max_tokens=10_000)
-            request.data_parallel_rank = rank
-            client.add_request(request)
-        seen: set[str] = set()
-        while seen != {"a", "b"}:
-            seen |= {o.request_id for o in client.get_output().outputs}
-        os.kill(client.engine_pids[1], signal.SIGKILL)
-        deadline = time.monotonic() + 5
-        while True:
-            assert time.monotonic() < deadline, "the death was not reported"
-            out = client.get_output()
-            if out.errored_requests is not None:
-                break
-        assert out.engine_index == 1 and list(out.errored_requests) == ["b"]
-        assert "data-parallel engine 1" in out.errored_requests["b"]
-        assert set(client.dead_engines) == {1}
-        # The live engine keeps serving: "a" still runs, new requests go to engine 0.
-        client.add_request(_request("c", [1], max_tokens=3))
-        engines = _engines_of(client, 1)
-        assert engines["c"] == 0 and engines["a"] == 0
-        pinned = _request("d", [1])
-        pinned.data_parallel_rank = 1
-        with pytest.raises(EngineDeadError, match="engine 1"):
-            client.add_request(pinned)
-        os.kill(client.engine_pids[0], signal.SIGKILL)  # the last one: everything stops
-        with pytest.raises(EngineDeadError):
-            while True:
-                client.get_output()
-    finally:
-        client.shutdown()
-
-
-@pytest.mark.distributed
-def test_dp_stop_on_engine_death():
-    client = _dp_client(data_parallel_stop_on_engine_death=True)
-    try:
-        os.kill(client.engine_pids[0], signal.SIGKILL)
-        with pytest.raises(EngineDeadError, match="engine 0"):
-            while True:
-                client.get_output()
-        with pytest.raises(EngineDeadError):
-            client.add_request(_request("late", [1]))
-    finally:
-        client.shutdown()

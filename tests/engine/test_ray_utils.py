@@ -9,14 +9,25 @@ from pagedllm import LLM, SamplingParams
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-def test_ray_engines_match_one_engine(llama_dir):
-    pytest.importorskip("ray")
-    prompts = [{"prompt_token_ids": [1, 5 + i, 9, 12 + i]} for i in range(6)]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    kwargs = dict(dtype="float32", max_model_len=128, kv_cache_memory=2 << 20)
+@pytest.fixture
+def ray_cluster():
+    """A local Ray cluster that fits this test: 2 CPUs, no dashboard, a small object store
+    (the engines exchange nothing through it: they talk ZMQ)."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=80 << 20)
+    yield ray
+    ray.shutdown()
+
+
+def test_ray_engines_match_one_engine(llama_dir, ray_cluster):
+    prompts = [{"prompt_token_ids": [1, 5 + i, 9, 12 + i]} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    kwargs = dict(dtype="float32", max_model_len=128, kv_cache_memory_bytes=2 << 20)
     one = LLM(llama_dir, **kwargs)  # in process (tests/engine/conftest.py)
-    expected = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
-    one.shutdown()
+    try:
+        expected = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    finally:
+        one.shutdown()
     llm = LLM(llama_dir, data_parallel_size=2, data_parallel_backend="ray", **kwargs)
     try:
         engine_core = llm.llm_engine.engine_core
@@ -25,6 +36,3 @@ def test_ray_engines_match_one_engine(llama_dir):
         assert [o.outputs[0].token_ids for o in outputs] == expected
     finally:
         llm.shutdown()
-        import ray
-
-        ray.shutdown()

@@ -1,6 +1,11 @@
-"""Data parallelism end to end: `pagedllm serve --data-parallel-size 2` (greedy outputs as one
-engine's, a burst split evenly, one engine killed mid-load), a head plus a `--headless` node on
-loopback, and `--api-server-count 2` (both answer, metrics add up)."""
+"""Data parallelism end to end, on real (tiny) engines.
+
+One deployment serves the online tests of this module, so that its processes start once: a
+head (`pagedllm serve --data-parallel-size 2 --data-parallel-size-local 1 --api-server-count
+2`, running engine 0) and a `--headless` node (`--data-parallel-start-rank 1`, running engine 1)
+on loopback. The online tests run in file order; the last two change the deployment (engine 0
+killed, then the head stopped). The offline test runs `LLM(data_parallel_size=2)`.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +16,10 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -23,41 +30,70 @@ from tests.entrypoints.conftest import REPO_ROOT, RemoteServer, child_pids, free
 
 pytestmark = pytest.mark.distributed
 
-ARGS = ["--dtype", "float32", "--max-model-len", "128", "--kv-cache-memory", str(2 << 20)]
-PROMPTS = [[1, 5 + i, 9, 12 + i] for i in range(4)]
+KV_BYTES = 2 << 20
+ARGS = ["--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes", str(KV_BYTES)]
+PROMPTS = [[1, 5 + i % 25, 9, 12 + i // 25] for i in range(50)]
+MAX_TOKENS = 4
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama_dir) -> list[str]:
-    """One engine's greedy texts (fp32, in process)."""
+    """One engine's greedy texts for PROMPTS (fp32, in process)."""
     from pagedllm import LLM, SamplingParams
 
-    old = os.environ.get("PAGEDLLM_ENABLE_MULTIPROCESSING")
-    os.environ["PAGEDLLM_ENABLE_MULTIPROCESSING"] = "0"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")
+        llm = LLM(
+            tiny_llama_dir, dtype="float32", max_model_len=512, kv_cache_memory_bytes=KV_BYTES
+        )
     try:
-        llm = LLM(tiny_llama_dir, dtype="float32", max_model_len=128, kv_cache_memory=2 << 20)
-        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-        texts = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
-        llm.shutdown()
+        return [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
     finally:
-        if old is None:
-            os.environ.pop("PAGEDLLM_ENABLE_MULTIPROCESSING")
-        else:
-            os.environ["PAGEDLLM_ENABLE_MULTIPROCESSING"] = old
-    return texts
+        llm.shutdown()
 
 
-def _complete(url: str, prompt: list[int], max_tokens: int = 8) -> str:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+@dataclass
+class Deployment:
+    head: RemoteServer
+    headless: subprocess.Popen
+
+
+@pytest.fixture(scope="module")
+def deployment(tiny_llama_dir):
+    dp = ["--data-parallel-size", "2", "--data-parallel-size-local", "1"]
+    dp += ["--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(free_port())]
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", tiny_llama_dir]
+    with tempfile.TemporaryFile() as log:
+        headless = subprocess.Popen(
+            [*cmd, "--headless", "--data-parallel-start-rank", "1", *ARGS, *dp],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            head_args = [*ARGS, *dp, "--api-server-count", "2", "--enable-log-requests"]
+            with RemoteServer(tiny_llama_dir, head_args) as head:
+                yield Deployment(head, headless)
+        finally:
+            if headless.poll() is None:
+                headless.kill()
+                headless.wait()
+
+
+def _complete(url: str, i: int) -> str:
+    body = {"prompt": PROMPTS[i], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
     r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
 
 
-def _burst(url: str, n: int, max_tokens: int = 2) -> None:
+def _burst(url: str, n: int) -> list[str]:
+    """n concurrent requests, request i with PROMPTS[i % 50]; their texts in order."""
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
-        list(pool.map(lambda i: _complete(url, [1, i % 50 + 3], max_tokens), range(n)))
+        return list(pool.map(lambda i: _complete(url, i % len(PROMPTS)), range(n)))
 
 
 def _metric(url: str, name: str) -> dict[str, float]:
@@ -77,97 +113,113 @@ def _assert_gone(pids: list[int], timeout: float = 15.0) -> None:
         time.sleep(0.1)
 
 
+def test_burst_matches_one_engine_and_splits_evenly(deployment, reference):
+    url = deployment.head.url
+    before = _metric(url, "vllm:request_success_total")
+    texts = _burst(url, 200)
+    assert texts == [reference[i % len(PROMPTS)] for i in range(200)]
+    after = _metric(url, "vllm:request_success_total")
+    split = [after[e] - before.get(e, 0) for e in ("0", "1")]
+    # Every request counted once, on the engine that ran it; within 10% of an even split,
+    # so both engines' (the head's and the headless node's) outputs were compared above.
+    assert sum(split) == 200 and abs(split[0] - split[1]) <= 20, split
+
+
+def test_two_api_servers_answer_and_count_once(deployment, reference):
+    url = deployment.head.url
+    names = ["request_success_total", "prompt_tokens_total", "time_to_first_token_seconds_count"]
+    before = [sum(_metric(url, f"vllm:{n}").values()) for n in names]
+    assert _burst(url, 40) == [reference[i % len(PROMPTS)] for i in range(40)]
+    after = [sum(_metric(url, f"vllm:{n}").values()) for n in names]
+    # Counters and histograms add up over the API server processes, each counting its own.
+    assert [a - b for a, b in zip(after, before)] == [40, 40 * 4, 40]
+    logs = Path(deployment.head.log.name).read_text()
+    for index in (0, 1):  # both API servers answered
+        assert re.search(rf"APIServer_{index} pid=\d+\] \S+: Finished request", logs)
+    # Gauges show the latest value written by either process, not their sum: back to 0.
+    deadline = time.monotonic() + 10
+    while _metric(url, "vllm:num_requests_running") != {"0": 0.0, "1": 0.0}:
+        assert time.monotonic() < deadline, _metric(url, "vllm:num_requests_running")
+        time.sleep(0.2)
+    assert _metric(url, "vllm:engine_dead") == {"0": 0.0, "1": 0.0}
+
+
 def _engine_pid(server: RemoteServer, rank: int) -> int:
     found = re.search(rf"EngineCore_DP{rank} pid=(\d+)", Path(server.log.name).read_text())
     assert found, server.logs()
     return int(found.group(1))
 
 
-def test_two_engines_identity_balance_and_fault(tiny_llama_dir, reference):
-    args = [*ARGS, "--data-parallel-size", "2", "--max-model-len", "512"]
-    with RemoteServer(tiny_llama_dir, args) as server:
-        assert [_complete(server.url, p) for p in PROMPTS] == reference
-        before = _metric(server.url, "pagedllm:request_success_total")
-        _burst(server.url, 200)
-        after = _metric(server.url, "pagedllm:request_success_total")
-        split = [after[e] - before.get(e, 0) for e in ("0", "1")]
-        assert sum(split) == 200 and abs(split[0] - split[1]) <= 20, split
+def test_engine_killed_mid_load(deployment, reference):
+    """Kill engine 0 (the head's) while six long streams run: its streams end with an error,
+    the others finish, and the deployment keeps serving on engine 1."""
+    url = deployment.head.url
+    body = {"prompt": [1, 2], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    started = threading.Semaphore(0)
 
-        # Kill engine 1 while six long streams run: its streams end with an error, the
-        # others finish, and the server keeps serving on engine 0.
-        body = {"prompt": [1, 2], "max_tokens": 400, "ignore_eos": True, "stream": True}
-        started = threading.Semaphore(0)
+    def stream(_: int) -> list[str]:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            first = next(lines)
+            started.release()
+            return [first, *(line for line in lines if line)]
 
-        def stream(_: int) -> list[str]:
-            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
-                lines = r.iter_lines()
-                first = next(lines)
-                started.release()
-                return [first, *(line for line in lines if line)]
-
-        with concurrent.futures.ThreadPoolExecutor(6) as pool:
-            futures = [pool.submit(stream, i) for i in range(6)]
-            for _ in range(6):
-                assert started.acquire(timeout=60)
-            os.kill(_engine_pid(server, 1), signal.SIGKILL)
-            results = [f.result(timeout=60) for f in futures]
-        failed = [r for r in results if any('"error"' in line for line in r)]
-        finished = [r for r in results if r not in failed]
-        assert failed and finished, results
-        assert all("data-parallel engine 1" in "".join(r) for r in failed)
-        assert all(r[-1] == "data: [DONE]" for r in results)
-        assert all(
-            json.loads(r[-2][6:])["choices"][0]["finish_reason"] == "length" for r in finished
-        )
-        health = httpx.get(f"{server.url}/health")
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(stream, i) for i in range(6)]
+        for _ in range(6):
+            assert started.acquire(timeout=60)
+        os.kill(_engine_pid(deployment.head, 0), signal.SIGKILL)
+        results = [f.result(timeout=60) for f in futures]
+    failed = [r for r in results if any('"error"' in line for line in r)]
+    finished = [r for r in results if r not in failed]
+    assert failed and finished, results
+    assert all("data-parallel engine 0" in "".join(r) for r in failed)
+    assert all(r[-1] == "data: [DONE]" for r in results)
+    assert all(json.loads(r[-2][6:])["choices"][0]["finish_reason"] == "length" for r in finished)
+    for _ in range(4):  # new connections, spread over both API servers
+        health = httpx.get(f"{url}/health")
         assert health.status_code == 200 and health.json()["status"] == "degraded"
-        assert list(health.json()["dead_engines"]) == ["1"]
-        assert _metric(server.url, "pagedllm:engine_dead") == {"0": 0.0, "1": 1.0}
-        assert [_complete(server.url, p) for p in PROMPTS] == reference
+        assert list(health.json()["dead_engines"]) == ["0"]
+    assert _metric(url, "vllm:engine_dead") == {"0": 1.0, "1": 0.0}
+    assert _burst(url, 8) == [reference[i] for i in range(8)]
 
 
-def test_head_and_headless_node_on_loopback(tiny_llama_dir, reference):
-    dp = ["--data-parallel-size", "2", "--data-parallel-size-local", "1"]
-    dp += ["--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(free_port())]
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", tiny_llama_dir]
-    headless = subprocess.Popen(
-        [*cmd, "--headless", "--data-parallel-start-rank", "1", *ARGS, *dp],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+def test_stopping_the_head_stops_every_node(deployment):
+    head, headless = deployment.head, deployment.headless
+    processes = child_pids(head.proc.pid) + child_pids(headless.pid)
+    head.proc.send_signal(signal.SIGTERM)
+    assert head.proc.wait(timeout=60) == 0
+    # The head's coordinator told the headless node's engine to stop; the node then exits.
+    assert headless.wait(timeout=30) == 0
+    _assert_gone(processes)
+
+
+def test_offline_llm_two_engines(tiny_llama_dir, reference):
+    """`LLM(data_parallel_size=2)`: one engine's greedy outputs; with
+    `data_parallel_stop_on_engine_death`, one engine's death stops it."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.engine.exceptions import EngineDeadError
+
+    llm = LLM(
+        tiny_llama_dir,
+        dtype="float32",
+        max_model_len=512,
+        kv_cache_memory_bytes=KV_BYTES,
+        data_parallel_size=2,
+        data_parallel_stop_on_engine_death=True,
     )
     try:
-        with RemoteServer(tiny_llama_dir, [*ARGS, *dp]) as server:
-            texts = [_complete(server.url, p) for p in PROMPTS]
-            _burst(server.url, 8)
-            served = _metric(server.url, "pagedllm:request_success_total")
-            remote_engines = child_pids(headless.pid)
-        assert texts == reference
-        assert served["1"] > 0  # the headless node's engine took requests
-        # The head stopped: its coordinator told the headless node's engine to stop too.
-        assert headless.wait(timeout=30) == 0
-        _assert_gone(remote_engines)
+        client = llm.llm_engine.engine_core
+        pids = list(client.engine_pids.values())
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].text for o in outputs] == reference
+        os.kill(pids[0], signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="data-parallel engine 0"):
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # until the death is seen
+                llm.generate(prompts[:1], params, use_tqdm=False)
     finally:
-        if headless.poll() is None:
-            headless.kill()
-            headless.wait()
-
-
-def test_two_api_servers_share_the_port_and_the_metrics(tiny_llama_dir, reference):
-    args = [*ARGS, "--data-parallel-size", "2", "--api-server-count", "2"]
-    with RemoteServer(tiny_llama_dir, args) as server:
-        assert [_complete(server.url, p) for p in PROMPTS] == reference
-        _burst(server.url, 60)
-        logs = Path(server.log.name).read_text()
-        for index in (0, 1):  # both API servers answered
-            assert re.search(rf"APIServer_{index} pid=\d+\] \S+: Finished request", logs)
-        done = sum(_metric(server.url, "pagedllm:request_success_total").values())
-        assert done == 64  # counted once each, whichever API server scrapes
-        prompt_tokens = sum(_metric(server.url, "pagedllm:prompt_tokens_total").values())
-        assert prompt_tokens == 4 * 4 + 60 * 2
-        server_pid = server.proc.pid
-        children = child_pids(server_pid)
-        server.proc.send_signal(signal.SIGTERM)
-        server.proc.wait(timeout=60)
-    _assert_gone(children)
+        llm.shutdown()
+    _assert_gone(pids)

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagedllm.config import CacheConfig
 from pagedllm.engine import EngineCoreEventType, SchedulerStats
 from pagedllm.metrics.loggers import LoggingStatLogger, PrefixCacheRate
-from pagedllm.metrics.prometheus import PrometheusStatLogger
+from pagedllm.metrics.prometheus import PrometheusMetrics, PrometheusStatLogger
 from pagedllm.metrics.stats import FinishedRequestStats, IterationStats, RequestStateStats
 
 
@@ -60,6 +60,8 @@ VLLM_SERIES = {
     "vllm:spec_decode_num_accepted_tokens": ("counter", ()),
     "vllm:spec_decode_num_accepted_tokens_per_pos": ("counter", ("position",)),
 }
+# pagedllm's additions, in vLLM's style (metrics/prometheus.py says why).
+PAGEDLLM_SERIES = {"vllm:engine_dead": ("gauge", ())}
 VLLM_TTFT_BUCKETS = [
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
     10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
@@ -88,13 +90,15 @@ def _iteration() -> IterationStats:
 
 
 def test_series_are_vllms():
-    """Every series pagedllm exposes is one of vLLM's, with vLLM's type and labels."""
+    """Every series pagedllm exposes is one of vLLM's (or a documented addition), with vLLM's
+    type and labels."""
     logger = PrometheusStatLogger("m", max_model_len=128, cache_config=CacheConfig(num_blocks=7))
     logger.record(SchedulerStats(spec_decode=_spec_counts()), _iteration())
     families = {f.name: f for f in text_string_to_metric_families(logger.render().decode())}
     # prometheus_client's text format adds a `<counter/histogram>_created` gauge beside each.
-    assert {n for n in families if not n.endswith("_created")} == set(VLLM_SERIES)
-    for name, (kind, extra_labels) in VLLM_SERIES.items():
+    series = VLLM_SERIES | PAGEDLLM_SERIES
+    assert {n for n in families if not n.endswith("_created")} == set(series)
+    for name, (kind, extra_labels) in series.items():
         family = families[name]
         assert family.type == kind, name
         for sample in family.samples:
@@ -163,6 +167,33 @@ def test_prometheus_registries_are_private():
     a.record(None, _iteration())
     assert _samples(a)["vllm:prompt_tokens_total"] == 10
     assert _samples(b)["vllm:prompt_tokens_total"] == 0
+
+
+def test_one_exposition_for_every_engine():
+    """A front end over two data-parallel engines: each series once, a sample per engine,
+    each engine's own KV-cache size in its cache_config_info."""
+    metrics = PrometheusMetrics("m", [CacheConfig(num_blocks=7), CacheConfig(num_blocks=9)], 128)
+    metrics.for_engine(1).record(SchedulerStats(num_running_reqs=2), _iteration())
+    metrics.for_engine(1).engine_dead.set(1)
+    families = list(text_string_to_metric_families(metrics.render().decode()))
+    assert len({f.name for f in families}) == len(families)
+    by_name = {f.name: f for f in families}
+
+    def per_engine(name: str) -> dict[str, float]:
+        return {s.labels["engine"]: s.value for s in by_name[name].samples if s.name == name}
+
+    assert per_engine("vllm:num_requests_running") == {"0": 0, "1": 2}
+    assert per_engine("vllm:engine_dead") == {"0": 0, "1": 1}
+    prompt = by_name["vllm:prompt_tokens"].samples
+    assert {s.labels["engine"]: s.value for s in prompt if s.name.endswith("_total")} == {
+        "0": 0,
+        "1": 10,
+    }
+    info = {
+        s.labels["engine"]: s.labels["num_gpu_blocks"]
+        for s in by_name["vllm:cache_config_info"].samples
+    }
+    assert info == {"0": "7", "1": "9"}
 
 
 def test_request_phases_from_engine_timestamps():

@@ -382,7 +382,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", required=True, help="Local checkpoint directory.")
     make_arg_parser(parser)
     argv = expand_config_file(parser, list(sys.argv[1:] if argv is None else argv))
-    raise SystemExit(run_server(parser.parse_args(argv)))
+    args = parser.parse_args(argv)
+    if args.headless or args.api_server_count != 1:
+        parser.error("--headless and --api-server-count need `pagedllm serve`")
+    raise SystemExit(run_server(args))
 
 
 if __name__ == "__main__":
