@@ -470,6 +470,21 @@ def _parent_watchdog(
         os._exit(1)
 
 
+def set_data_parallel_rank(config: EngineConfig, dp_rank: int, local_dp_rank: int) -> None:
+    """Make `config` (this engine process's copy) the config of data-parallel engine
+    `dp_rank`. With a KV connector, each engine is a peer of its own, as in vLLM: its
+    `engine_id` gets the suffix `_dp<rank>` and a fixed `kv_port` is offset by the local rank
+    (engines of one node must not bind the same port)."""
+    parallel = config.parallel_config
+    parallel.data_parallel_rank = dp_rank
+    parallel.data_parallel_rank_local = local_dp_rank
+    kv = config.kv_transfer_config
+    if kv is not None and parallel.data_parallel_size > 1:
+        kv.engine_id = f"{kv.engine_id}_dp{dp_rank}"
+        if kv.kv_port:
+            kv.kv_port += local_dp_rank
+
+
 def run_engine_core(
     config: EngineConfig,
     handshake_address: str,
@@ -483,9 +498,7 @@ def run_engine_core(
     1: failed). A Ray actor calls it with `parent_pid=None`, as Ray ends actors whose owner is
     gone; an engine process runs it through `engine_process_main`."""
     _configure_child_logging(dp_rank)
-    parallel = config.parallel_config
-    parallel.data_parallel_rank = dp_rank
-    parallel.data_parallel_rank_local = local_dp_rank
+    set_data_parallel_rank(config, dp_rank, local_dp_rank)
 
     ctx = zmq.Context()
     stop = threading.Event()

@@ -33,6 +33,7 @@ def fake_config(parallel: dict | None = None, **kwargs) -> SimpleNamespace:
         worker_dies_after=None,
         parallel_config=ParallelConfig(**(parallel or {})),
         device_config=DeviceConfig("cpu"),
+        kv_transfer_config=None,
     )
     defaults.update(kwargs)
     return SimpleNamespace(**defaults)
