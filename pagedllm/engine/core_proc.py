@@ -165,6 +165,9 @@ class EngineCoreProc:
 
                 engine_core_cls = EngineCore
             self.engine_core = engine_core_cls(config)
+        except SystemExit:  # SIGTERM while starting (the front end stops us): no failure
+            self._close_sockets()
+            raise
         except BaseException as e:
             text = "".join(traceback.format_exception_only(type(e), e)).strip()
             logger.error("EngineCore failed to start:\n%s", traceback.format_exc())

@@ -2,8 +2,10 @@
 
 Each running request gets one token per step: the previous token + 1 (the first is the last
 prompt token + 1). Special prompts steer failures: a first prompt token of 666 makes `step()`
-raise; `config.fail_start` makes construction raise; `config.worker_dies_after` (seconds)
-makes its stand-in executor report a dead worker then, as a multi-process executor would.
+raise; `config.fail_start` makes construction raise (`True`: in every engine; a rank: in that
+data-parallel engine only); the others take `config.start_delay` seconds to construct;
+`config.worker_dies_after` (seconds) makes its stand-in executor report a dead worker then,
+as a multi-process executor would.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def fake_config(parallel: dict | None = None, **kwargs) -> SimpleNamespace:
         step_delay=0.0,
         fail_start=False,
         worker_dies_after=None,
+        start_delay=0.0,
         parallel_config=ParallelConfig(**(parallel or {})),
         device_config=DeviceConfig("cpu"),
         kv_transfer_config=None,
@@ -41,8 +44,10 @@ def fake_config(parallel: dict | None = None, **kwargs) -> SimpleNamespace:
 
 class FakeEngineCore:
     def __init__(self, config) -> None:
-        if config.fail_start:
+        fail = config.fail_start
+        if fail is True or (fail is not False and fail == config.parallel_config.data_parallel_rank):
             raise RuntimeError("bad checkpoint: config.json is missing")
+        time.sleep(config.start_delay)
         self.config = config
         self.num_blocks = config.num_blocks
         self.running: dict[str, tuple[EngineCoreRequest, list[int]]] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -116,6 +117,21 @@ def test_startup_failure_is_a_clear_error():
     with pytest.raises(RuntimeError, match="initialization failed.*bad checkpoint"):
         SyncMPClient(fake_config(fail_start=True), engine_core_cls=FakeEngineCore)
     assert time.monotonic() - t0 < 30
+
+
+def test_one_dp_engine_failing_to_start_is_a_clear_error(capfd):
+    """Engine 0 fails while engine 1 is still starting: the front end names engine 0's cause,
+    and engine 1, stopped mid-start, reports no failure of its own. (The executor refuses
+    `tensor_parallel_size > 1` this way in each engine until multi-device execution lands.)"""
+    config = fake_config(parallel={"data_parallel_size": 2}, fail_start=0, start_delay=60)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="initialization failed.*bad checkpoint"):
+        EngineCoreClient.make_client(config, engine_core_cls=FakeEngineCore)
+    assert time.monotonic() - t0 < 30
+    logs = capfd.readouterr().err
+    assert re.search(r"EngineCore_DP0 .*failed to start", logs), logs
+    assert re.search(r"EngineCore_DP1 .*start-up interrupted by a signal", logs), logs
+    assert not re.search(r"EngineCore_DP1 .*failed", logs), logs
 
 
 def test_killed_engine_fails_requests_quickly(sync_client):
