@@ -248,8 +248,7 @@ class ParallelConfig:
         local, start = self.data_parallel_size_local, self.data_parallel_start_rank
         if not 0 <= local <= dp:
             raise ValueError(
-                f"data_parallel_size_local={local} must be between 0 and "
-                f"data_parallel_size={dp}"
+                f"data_parallel_size_local={local} must be between 0 and data_parallel_size={dp}"
             )
         if start < 0 or start + local > dp:
             raise ValueError(

@@ -45,7 +45,9 @@ def fake_config(parallel: dict | None = None, **kwargs) -> SimpleNamespace:
 class FakeEngineCore:
     def __init__(self, config) -> None:
         fail = config.fail_start
-        if fail is True or (fail is not False and fail == config.parallel_config.data_parallel_rank):
+        if fail is True or (
+            fail is not False and fail == config.parallel_config.data_parallel_rank
+        ):
             raise RuntimeError("bad checkpoint: config.json is missing")
         time.sleep(config.start_delay)
         self.config = config
