@@ -3,13 +3,16 @@
 Each running request gets one token per step: the previous token + 1 (the first is the last
 prompt token + 1). Special prompts steer failures: a first prompt token of 666 makes `step()`
 raise; `config.fail_start` makes construction raise (`True`: in every engine; a rank: in that
-data-parallel engine only); the others take `config.start_delay` seconds to construct;
-`config.worker_dies_after` (seconds) makes its stand-in executor report a dead worker then,
-as a multi-process executor would.
+data-parallel engine only); the others take `config.start_delay` seconds to construct. With
+`config.starting_file` (a path), an engine that starts creates it, and a failing one waits for
+it first: the failure then lands while another engine is mid-start. `config.worker_dies_after`
+(seconds) makes its stand-in executor report a dead worker then, as a multi-process executor
+would.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from types import SimpleNamespace
@@ -34,6 +37,7 @@ def fake_config(parallel: dict | None = None, **kwargs) -> SimpleNamespace:
         fail_start=False,
         worker_dies_after=None,
         start_delay=0.0,
+        starting_file=None,
         parallel_config=ParallelConfig(**(parallel or {})),
         device_config=DeviceConfig("cpu"),
         kv_transfer_config=None,
@@ -48,7 +52,13 @@ class FakeEngineCore:
         if fail is True or (
             fail is not False and fail == config.parallel_config.data_parallel_rank
         ):
+            deadline = time.monotonic() + 60
+            while config.starting_file and not os.path.exists(config.starting_file):
+                assert time.monotonic() < deadline, "no other engine started"
+                time.sleep(0.05)
             raise RuntimeError("bad checkpoint: config.json is missing")
+        if config.starting_file:
+            open(config.starting_file, "w").close()
         time.sleep(config.start_delay)
         self.config = config
         self.num_blocks = config.num_blocks

@@ -119,15 +119,20 @@ def test_startup_failure_is_a_clear_error():
     assert time.monotonic() - t0 < 30
 
 
-def test_one_dp_engine_failing_to_start_is_a_clear_error(capfd):
+def test_one_dp_engine_failing_to_start_is_a_clear_error(capfd, tmp_path):
     """Engine 0 fails while engine 1 is still starting: the front end names engine 0's cause,
     and engine 1, stopped mid-start, reports no failure of its own. (The executor refuses
     `tensor_parallel_size > 1` this way in each engine until multi-device execution lands.)"""
-    config = fake_config(parallel={"data_parallel_size": 2}, fail_start=0, start_delay=60)
+    config = fake_config(
+        parallel={"data_parallel_size": 2},
+        fail_start=0,
+        start_delay=60,
+        starting_file=str(tmp_path / "engine-1-starting"),
+    )
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="initialization failed.*bad checkpoint"):
         EngineCoreClient.make_client(config, engine_core_cls=FakeEngineCore)
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 60  # not the start-up timeout
     logs = capfd.readouterr().err
     assert re.search(r"EngineCore_DP0 .*failed to start", logs), logs
     assert re.search(r"EngineCore_DP1 .*start-up interrupted by a signal", logs), logs
