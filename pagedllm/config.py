@@ -269,6 +269,15 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
+    @property
+    def data_parallel_multi_node(self) -> bool:
+        """Whether some engines run on another node (they then connect over TCP)."""
+        return self.data_parallel_size_local < self.data_parallel_size
+
+    @property
+    def data_parallel_handshake_port(self) -> int:
+        return self.data_parallel_rpc_port or self.DEFAULT_DP_RPC_PORT
+
     def resolve_executor_backend(self, device: str) -> str:
         """The backend, picking vLLM's default when none was given: 'uni' for one process,
         'ray' when a Ray cluster is in use (RAY_ADDRESS set, or Ray already initialised in
@@ -323,14 +332,6 @@ def parse_pp_layer_partition(text: str | None) -> list[int] | None:
         raise ValueError(
             f"{PP_LAYER_PARTITION_ENV}={text!r} must be comma-separated layer counts, e.g. '5,7'"
         ) from None
-    @property
-    def data_parallel_multi_node(self) -> bool:
-        """Whether some engines run on another node (they then connect over TCP)."""
-        return self.data_parallel_size_local < self.data_parallel_size
-
-    @property
-    def data_parallel_handshake_port(self) -> int:
-        return self.data_parallel_rpc_port or self.DEFAULT_DP_RPC_PORT
 
 
 @dataclass

@@ -233,7 +233,8 @@ def start_workers(args: argparse.Namespace, in_process: bool) -> list[Worker]:
         specs.append(("pagedllm-int8", "pagedllm", kw))
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=f"{args.kv_cache_gib:g}")
     if in_process:
-        from pagedllm.engine.core_client import ENGINE_GLIBC_TUNABLES, MULTIPROCESSING_ENV
+        from pagedllm.engine.core_client import MULTIPROCESSING_ENV
+        from pagedllm.spawn import ENGINE_GLIBC_TUNABLES
 
         env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", MULTIPROCESSING_ENV: "0"})
         env.setdefault("GLIBC_TUNABLES", ENGINE_GLIBC_TUNABLES)

@@ -140,7 +140,7 @@ class DPCoordinator:
             ),
             daemon=True,
         )
-        from pagedllm.engine.utils import main_module_hidden
+        from pagedllm.spawn import main_module_hidden
 
         with main_module_hidden(None):
             self.proc.start()

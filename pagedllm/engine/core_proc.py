@@ -18,7 +18,8 @@ KV blocks, or FAILED with the error).
 
 Lifetime: the process exits on a SHUTDOWN message (from a front end or the coordinator), on
 SIGTERM / SIGINT, and when its parent dies (a watchdog thread polls the parent pid). If
-`step()` raises, or a signal stops it, the process sends a dead-notice (a utility reply with
+`step()` raises (or a worker of a multi-process executor dies: its failure callback wakes the
+busy loop, which raises), or a signal stops it, the process sends a dead-notice (a utility reply with
 call id `ENGINE_DEAD_CALL_ID`) to every front end before it exits; they then fail its
 requests with `EngineDeadError`.
 """
@@ -30,7 +31,6 @@ import os
 import queue
 import shutil
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -57,6 +57,8 @@ from pagedllm.engine.utils import (
     engine_identity,
     ready_timeout_s,
 )
+from pagedllm.spawn import exit_process
+from pagedllm.worker.cpu_binding import CPU_BIND_ENV, plan_cpu_binding
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +176,9 @@ class EngineCoreProc:
             self._close_sockets()
             raise StartupError(text) from e
 
+        executor = getattr(self.engine_core, "executor", None)
+        if executor is not None:
+            executor.register_failure_callback(self._on_executor_failure)
         # Whether the stats the front end last saw may be stale (see _process_engine_step).
         self._stats_dirty = False
         self._threads: list[threading.Thread] = []
@@ -289,8 +294,15 @@ class EngineCoreProc:
             self._stop.set()
         elif request_type == EngineCoreRequestType.START_DP_WAVE:
             self._on_start_wave(message)
+        elif request_type == EngineCoreRequestType.EXECUTOR_FAILED:
+            raise RuntimeError(f"the executor failed: {message}")
         else:
             logger.error("Unknown request type %r ignored", request_type)
+
+    def _on_executor_failure(self, reason: str) -> None:
+        """Executor callback (any thread): make the busy loop raise at its next turn, even
+        while idle (a dead worker of a multi-process executor)."""
+        self.input_queue.put((0, EngineCoreRequestType.EXECUTOR_FAILED, reason))
 
     def _on_start_wave(self, wave: int) -> None:
         """The coordinator's lockstep seam (engine/coordinator.py); dense engines step on
@@ -563,12 +575,29 @@ def run_engine_core(
     return 1 if failed else 0
 
 
+def engine_cpu_cores(
+    config: EngineConfig, local_dp_rank: int, available: set[int] | None = None
+) -> set[int] | None:
+    """On the CPU, the cores of this node's data-parallel engine `local_dp_rank`: the node's
+    cores (`available`, default this process's affinity) split evenly between its engines, so
+    that engines never share a core (the `auto` of PAGEDLLM_CPU_OMP_THREADS_BIND, the default;
+    an engine's executor then splits its share between its workers). None (no pinning) for one
+    engine, on GPUs, or when that variable is `nobind` or names explicit groups."""
+    parallel = config.parallel_config
+    if config.device_config.device != "cpu" or parallel.data_parallel_size_local <= 1:
+        return None
+    if os.environ.get(CPU_BIND_ENV, "auto").strip() != "auto":
+        return None
+    return plan_cpu_binding(parallel.data_parallel_size_local, "auto", available)[local_dp_rank]
+
+
 def engine_process_main(**kwargs: Any) -> None:
     """Entry point of an engine process (multiprocessing `spawn` target). Once the engine has
     stopped and flushed its sockets, the process ends without the interpreter's finalization,
     which can stall for seconds collecting the model's object graph."""
-    code = run_engine_core(**kwargs)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    cores = engine_cpu_cores(kwargs["config"], kwargs["local_dp_rank"])
+    if cores:
+        # Before torch starts its thread pool (sized by OMP_NUM_THREADS when set).
+        os.sched_setaffinity(0, cores)
+        os.environ.setdefault("OMP_NUM_THREADS", str(len(cores)))
+    exit_process(run_engine_core(**kwargs))

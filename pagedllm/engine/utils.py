@@ -29,8 +29,6 @@ import multiprocessing.connection
 import multiprocessing.util
 import os
 import shutil
-import socket
-import sys
 import tempfile
 import threading
 import time
@@ -41,6 +39,7 @@ import msgspec
 import zmq
 
 from pagedllm.config import EngineConfig, ParallelConfig
+from pagedllm.spawn import get_open_port, main_module_hidden, model_process_env
 
 logger = logging.getLogger(__name__)
 
@@ -94,56 +93,18 @@ def uses_tcp(parallel: ParallelConfig) -> bool:
     return parallel.data_parallel_multi_node or parallel.data_parallel_backend == "ray"
 
 
-def get_open_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 # --------------------------------------------------------------------------- engine processes
 
 
 @contextlib.contextmanager
-def main_module_hidden(engine_core_cls: type | None) -> Iterator[None]:
-    """Keep `spawn` from re-running the user's `__main__` in the engine process.
-
-    The engine process needs nothing from `__main__` (its target and the config live in
-    importable modules), and re-running it would start a second engine from a script that
-    builds an `LLM` at top level without an `if __name__ == "__main__":` guard. An
-    `engine_core_cls` defined in `__main__` does need it, so it is left alone then."""
-    main = sys.modules.get("__main__")
-    if main is None or getattr(engine_core_cls, "__module__", None) == "__main__":
-        yield
-        return
-    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
-    main.__dict__.pop("__file__", None)
-    main.__dict__["__spec__"] = None
-    try:
-        yield
-    finally:
-        main.__dict__.pop("__spec__", None)
-        main.__dict__.update(saved)
-
-
-# glibc malloc settings for the engine process: keep freed chunks up to 32 MiB in the heap and
-# never trim it, so the model's large per-layer temporaries are reused instead of being mmap'd,
-# page-faulted and unmapped again on every layer (3x fewer page faults on CPU prefill; see
-# BENCHMARKS.md). A user's own GLIBC_TUNABLES wins.
-ENGINE_GLIBC_TUNABLES = (
-    "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=17179869184"
-)
-
-
-@contextlib.contextmanager
 def _engine_process_env(extra: dict[str, str]) -> Iterator[None]:
-    """Environment the spawned engine process starts with (spawn copies os.environ)."""
-    env = dict(extra)
-    if "GLIBC_TUNABLES" not in os.environ:
-        env["GLIBC_TUNABLES"] = ENGINE_GLIBC_TUNABLES
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+    """Environment the spawned engine process starts with (spawn copies os.environ): the model
+    processes' own (pagedllm/spawn.py) and `extra`."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
     try:
-        yield
+        with model_process_env():
+            yield
     finally:
         for key, value in saved.items():
             if value is None:

@@ -121,8 +121,7 @@ def test_startup_failure_is_a_clear_error():
 
 def test_one_dp_engine_failing_to_start_is_a_clear_error(capfd, tmp_path):
     """Engine 0 fails while engine 1 is still starting: the front end names engine 0's cause,
-    and engine 1, stopped mid-start, reports no failure of its own. (The executor refuses
-    `tensor_parallel_size > 1` this way in each engine until multi-device execution lands.)"""
+    and engine 1, stopped mid-start, reports no failure of its own."""
     config = fake_config(
         parallel={"data_parallel_size": 2},
         fail_start=0,

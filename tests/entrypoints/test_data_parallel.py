@@ -4,7 +4,8 @@ One deployment serves the online tests of this module, so that its processes sta
 head (`pagedllm serve --data-parallel-size 2 --data-parallel-size-local 1 --api-server-count
 2`, running engine 0) and a `--headless` node (`--data-parallel-start-rank 1`, running engine 1)
 on loopback. The online tests run in file order; the last two change the deployment (engine 0
-killed, then the head stopped). The offline test runs `LLM(data_parallel_size=2)`.
+killed, then the head stopped). The offline test runs `LLM(data_parallel_size=2,
+tensor_parallel_size=2)`.
 """
 
 from __future__ import annotations
@@ -106,6 +107,11 @@ def _metric(url: str, name: str) -> dict[str, float]:
     return values
 
 
+def _descendants(pid: int) -> list[int]:
+    children = child_pids(pid)
+    return children + [d for child in children for d in _descendants(child)]
+
+
 def _assert_gone(pids: list[int], timeout: float = 15.0) -> None:
     deadline = time.monotonic() + timeout
     while any(pid_alive(p) for p in pids):
@@ -194,9 +200,11 @@ def test_stopping_the_head_stops_every_node(deployment):
     _assert_gone(processes)
 
 
-def test_offline_llm_two_engines(tiny_llama_dir, reference):
-    """`LLM(data_parallel_size=2)`: one engine's greedy outputs; with
-    `data_parallel_stop_on_engine_death`, one engine's death stops it."""
+def test_offline_llm_two_engines_of_two_ranks(tiny_llama_dir, reference):
+    """`LLM(data_parallel_size=2, tensor_parallel_size=2)`: two engines, each running its own
+    two tensor-parallel workers, give one engine's greedy outputs; with
+    `data_parallel_stop_on_engine_death`, one engine's death stops it, and no engine or worker
+    outlives it."""
     from pagedllm import LLM, SamplingParams
     from pagedllm.engine.exceptions import EngineDeadError
 
@@ -206,11 +214,14 @@ def test_offline_llm_two_engines(tiny_llama_dir, reference):
         max_model_len=512,
         kv_cache_memory_bytes=KV_BYTES,
         data_parallel_size=2,
+        tensor_parallel_size=2,
         data_parallel_stop_on_engine_death=True,
     )
     try:
         client = llm.llm_engine.engine_core
         pids = list(client.engine_pids.values())
+        workers = [w for pid in pids for w in _descendants(pid)]
+        assert len(workers) >= 4, workers  # 2 workers per engine, and their forkservers
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         prompts = [{"prompt_token_ids": p} for p in PROMPTS]
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -222,4 +233,4 @@ def test_offline_llm_two_engines(tiny_llama_dir, reference):
                 llm.generate(prompts[:1], params, use_tqdm=False)
     finally:
         llm.shutdown()
-    _assert_gone(pids)
+    _assert_gone(pids + workers)

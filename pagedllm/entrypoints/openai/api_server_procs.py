@@ -22,7 +22,8 @@ import threading
 import time
 from typing import Any
 
-from pagedllm.engine.utils import ClientConfig, main_module_hidden
+from pagedllm.engine.utils import ClientConfig
+from pagedllm.spawn import main_module_hidden
 
 logger = logging.getLogger(__name__)
 
