@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,8 @@ import time
 from typing import Any
 
 import httpx
+
+from pagedllm.spawn import get_open_port
 
 # name -> `pagedllm bench serve` dataset flags
 WORKLOADS = {
@@ -52,18 +53,12 @@ COLUMNS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """`pagedllm serve` with `dp` engines of `threads` threads each; a context manager that
     stops it (SIGTERM, then SIGKILL) and its engines with it."""
 
     def __init__(self, args: argparse.Namespace, dp: int, threads: int, log: Any) -> None:
-        self.port = _free_port()
+        self.port = get_open_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", args.model]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--data-parallel-size", str(dp)]
