@@ -72,16 +72,26 @@ class EngineCoreClient(ABC):
         var) or data parallel -> (DPLB)SyncMPClient; otherwise InprocClient.
         `engine_core_cls` replaces `EngineCore`; `client_config`: reach engines that another
         process launched (several API servers)."""
-        if multiprocess_mode is None:
-            multiprocess_mode = multiprocessing_enabled()
         dp = config.parallel_config.data_parallel_size > 1
         if asyncio_mode:
             cls: type[MPClient] = DPLBAsyncMPClient if dp else AsyncMPClient
             return cls(config, engine_core_cls=engine_core_cls, client_config=client_config)
-        if multiprocess_mode or dp or client_config is not None:
+        if not EngineCoreClient.runs_in_process(config, multiprocess_mode, client_config):
             cls = DPLBSyncMPClient if dp else SyncMPClient
             return cls(config, engine_core_cls=engine_core_cls, client_config=client_config)
         return InprocClient(config, engine_core_cls=engine_core_cls)
+
+    @staticmethod
+    def runs_in_process(
+        config: EngineConfig,
+        multiprocess_mode: bool | None = None,
+        client_config: ClientConfig | None = None,
+    ) -> bool:
+        """Whether a synchronous `make_client` builds the engine core in this process."""
+        if multiprocess_mode is None:
+            multiprocess_mode = multiprocessing_enabled()
+        dp = config.parallel_config.data_parallel_size > 1
+        return not (multiprocess_mode or dp or client_config is not None)
 
     @abstractmethod
     def shutdown(self) -> None: ...
@@ -207,8 +217,10 @@ class MPClient(EngineCoreClient):
         self._calls_lock = threading.Lock()
         self._encoder = msgspec.msgpack.Encoder()
         self._resources = res = _ClientResources()
-        # Runs at shutdown(), at garbage collection, and at interpreter exit.
-        self._finalizer = multiprocessing.util.Finalize(self, res, exitpriority=100)
+        # Runs at shutdown(), at garbage collection, and at interpreter exit: there before
+        # the launcher's own finalizers (priority 100), so that the engines' exit is known
+        # to be ours before they are signalled, and not reported as a death.
+        self._finalizer = multiprocessing.util.Finalize(self, res, exitpriority=110)
         try:
             if client_config is None:
                 res.launcher = EngineLauncher(config, num_clients=1)
@@ -437,6 +449,8 @@ class MPClient(EngineCoreClient):
     def _resolve_utility(self, rank: int, reply: tuple[int, Any, str | None]) -> None:
         call_id, result, error = reply
         if call_id == ENGINE_DEAD_CALL_ID:
+            if self._resources.stop_reader.is_set():
+                return  # we are stopping the engines ourselves
             logger.error("EngineCore %d reported a fatal error: %s", rank, error)
             self._engine_died(rank, f"fatal error in the engine: {error}")
             return

@@ -38,6 +38,7 @@ class LLMEngine:
             ),
             mc.tokenizer,
             trust_remote_code=mc.trust_remote_code,
+            overlap=not EngineCoreClient.runs_in_process(config, multiprocess_mode),
         )
         self.processor = Processor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)

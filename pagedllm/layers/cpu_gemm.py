@@ -36,14 +36,23 @@ INT8_MAX_K = 65536  # gemm_int8.h's kMaxInt8K: its int32 sums are exact up to he
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether oneDNN prepacking applies to this weight."""
+    """Whether oneDNN prepacking applies to this weight (its bf16 path needs AVX-512 or
+    AVX-NE-CONVERT; on an AVX2-only CPU the weight stays plain for `F.linear`)."""
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
         and weight.dim() == 2
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and env_flag("PAGEDLLM_CPU_PACK_WEIGHTS", True)
+        and _onednn_bf16_packing()
+    )
+
+
+@functools.cache
+def _onednn_bf16_packing() -> bool:
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
 
 

@@ -61,13 +61,18 @@ def _light_model_config(path: Path) -> Any:
 
 
 def get_tokenizer_while(
-    start: Callable[[], T], name: str, trust_remote_code: bool = False
+    start: Callable[[], T], name: str, trust_remote_code: bool = False, overlap: bool = True
 ) -> tuple[Any, T]:
     """(the tokenizer of `name`, `start()`), the tokenizer loaded on a thread while `start`
     runs: starting an engine is mostly waiting for its process, and transformers' import and
     the tokenizer's files take 1-2 s of CPU the front end would otherwise spend first. If the
     tokenizer fails to load, `start()`'s result is shut down (`.shutdown()`) before the error
-    is raised."""
+    is raised. `overlap=False` loads it first, on this thread: for a `start` that imports
+    transformers itself (an engine core built in this process), since two threads importing
+    transformers' lazy modules at once can see them half-initialised."""
+    if not overlap:
+        tokenizer = get_tokenizer(name, trust_remote_code=trust_remote_code)
+        return tokenizer, start()
     with ThreadPoolExecutor(1, thread_name_prefix="TokenizerLoad") as pool:
         future = pool.submit(get_tokenizer, name, trust_remote_code=trust_remote_code)
         started = start()

@@ -69,10 +69,11 @@ def test_client_timings_against_known_chunks(fake_server, chat):
     assert out.generated_text == "x" * 6
     assert len(out.itl) == 5  # one gap per chunk after the first
     assert out.ttft >= fake_server.first_s
-    # The gaps tile the time after the first token exactly; the server spaces chunks 20 ms
-    # apart, so they add up to at least 5 of those.
+    # The gaps tile the time after the first token exactly. The server spaces chunks 20 ms
+    # apart; a first chunk read late (a loaded machine) shortens the measured span by that
+    # delay, so the bound only checks that the gaps are the server's, not zeros.
     assert sum(out.itl) == pytest.approx(out.latency - out.ttft)
-    assert out.latency - out.ttft >= 5 * fake_server.gap_s * 0.95
+    assert out.latency - out.ttft >= 2 * fake_server.gap_s
     body = fake_server.bodies[-1]
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert "ignore_eos" not in body

@@ -1,8 +1,11 @@
 """`pagedllm disagg-proxy` in front of a prefill and a decode server (P2pZmqConnector), all
 live processes: completions (plain and streamed) and chat through the proxy equal one engine's
-fp32 greedy output, with prefix caching, chunked prefill and preemption on; every KV block comes
-back to the pool on both sides; blocks nobody pulls are freed after the timeout; killing the
-prefill server makes the decode server recompute and the proxy report the dead backend."""
+fp32 greedy output, with prefix caching and chunked prefill on and a decode pool small enough to
+preempt when the requests overlap (whether they do depends on the machine's timing;
+test_p2p_zmq_connector.py shows preemption with this connector deterministically); every KV
+block comes back to the pool on both sides; blocks nobody pulls are freed after the timeout;
+killing the prefill server makes the decode server recompute and the proxy report the dead
+backend."""
 
 from __future__ import annotations
 
@@ -152,7 +155,6 @@ def test_through_the_proxy(servers, reference):
     bad = httpx.post(f"{proxy.url}/v1/completions", json={"prompt": [1], "n": 2}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "n"
 
-    assert metric(decode, "vllm:num_preemptions_total") > 0
     for server in (prefill, decode):  # every block back in the pool, on both sides
         assert wait_for(lambda s=server: metric(s, "vllm:kv_cache_usage_perc") == 0.0)
     assert "were not pulled" not in prefill.logs()  # released by the pulls, not the timeout

@@ -39,6 +39,24 @@ def test_fp32_is_never_packed():
     assert getattr(layer, "weight_panels", None) is None
 
 
+def test_bf16_stays_plain_without_onednn_bf16(monkeypatch):
+    """oneDNN's bf16 reorder needs AVX-512 or AVX-NE-CONVERT: on an AVX2-only CPU the
+    weight must stay plain for F.linear, not fail at load."""
+    from pagedllm.layers import cpu_gemm
+
+    monkeypatch.setattr(cpu_gemm, "_onednn_bf16_packing", lambda: False)
+    monkeypatch.setattr(cpu_gemm, "can_use_panels", lambda weight: False)
+    with torch.device("cpu"):
+        layer = RowParallelLinear(32, 16, params_dtype=torch.bfloat16)
+    layer.weight.data.normal_()
+    weight = layer.weight.data.clone()
+    layer.process_weights_after_loading()
+    assert getattr(layer, "weight_packed", None) is None
+    assert torch.equal(layer.weight.data, weight)
+    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    assert torch.equal(layer(x), F.linear(x, weight))
+
+
 SHAPES = [(64, 2), (100, 6), (130, 768)]
 
 
