@@ -84,28 +84,26 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     add_dataset_args(parser, default_num_prompts=100)
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a comma-separated list of integers"
-        ) from None
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: give non-negative integers, e.g. 16,64")
-    return values
+def _number_list(kind: type, positive: bool) -> Any:
+    """An argparse type: comma-separated `kind` values, each >= 0 (or > 0 if `positive`)."""
+
+    def parse(text: str) -> list:
+        try:
+            values = [kind(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a comma-separated list of {kind.__name__}s"
+            ) from None
+        if not values or min(values) < 0 or (positive and min(values) == 0):
+            sign = "positive" if positive else "non-negative"
+            raise argparse.ArgumentTypeError(f"{text!r}: give {sign} values, e.g. 16,64")
+        return values
+
+    return parse
 
 
-def _float_list(text: str) -> list[float]:
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a comma-separated list of numbers"
-        ) from None
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: request rates must be positive")
-    return values
+_int_list = _number_list(int, positive=False)
+_float_list = _number_list(float, positive=True)
 
 
 def _bool_list(text: str) -> list[bool]:

@@ -49,12 +49,12 @@ def test_linear_by_rows_gives_each_row_its_batch_of_one_bits(dtype):
         assert torch.equal(batched[i], linear_by_rows(linear, rows[start : i + 3])[i - start])
 
 
-def _engine(model_dir: str, batch_invariant: bool):
+def _engine(model_dir: str, batch_invariant: bool, dtype: str = "float32"):
     from pagedllm.engine.llm_engine import LLMEngine
 
     args = EngineArgs(
         model=model_dir,
-        dtype="float32",
+        dtype=dtype,
         device="cpu",
         batch_invariant=batch_invariant,
         max_num_seqs=64,
@@ -121,11 +121,13 @@ def _other(rng: random.Random, shared_prefix: list[int], k: int):
     return f"other-{k}", {"prompt_token_ids": ids}, params
 
 
-def _differences(model_dir: str, batch_invariant: bool, trials: int) -> list[str]:
+def _differences(
+    model_dir: str, batch_invariant: bool, trials: int, dtype: str = "float32"
+) -> list[str]:
     """Each target alone, then inside `trials` random batches of 1-64 other requests
     arriving over the first steps (targets too); the targets whose output changed."""
     rng = random.Random(1234)
-    engine = _engine(model_dir, batch_invariant)
+    engine = _engine(model_dir, batch_invariant, dtype)
     try:
         targets = _targets(rng)
         alone = {}
@@ -147,8 +149,9 @@ def _differences(model_dir: str, batch_invariant: bool, trials: int) -> list[str
 
 
 @pytest.mark.slow
-def test_outputs_are_bitwise_identical_alone_and_in_any_batch(tiny_llama_dir):
-    assert _differences(tiny_llama_dir, batch_invariant=True, trials=12) == []
+@pytest.mark.parametrize("dtype, trials", [("float32", 12), ("bfloat16", 4)])
+def test_outputs_are_bitwise_identical_alone_and_in_any_batch(tiny_llama_dir, dtype, trials):
+    assert _differences(tiny_llama_dir, batch_invariant=True, trials=trials, dtype=dtype) == []
 
 
 @pytest.mark.slow
