@@ -209,6 +209,10 @@ def measure_point(
     )
 
 
+class _ServerFailed(RuntimeError):
+    """A configuration's server exited before it was ready (bad flags, out of memory)."""
+
+
 # Kept for the end: stopping the last server, the plot and the report.
 _FINISH_RESERVE_S = 5.0
 
@@ -269,7 +273,7 @@ def sweep(
                 except TimeoutError:
                     return "time budget reached while a server started"
                 except RuntimeError as e:
-                    raise RuntimeError(f"{label}: {e}; see {log_path}") from None
+                    raise _ServerFailed(f"{label}: {e}; its log: {log_path}") from None
                 tried.append(config)
                 start_cost = time.monotonic() - t0
                 stop = _sweep_rates(
@@ -334,6 +338,9 @@ def main(args: argparse.Namespace) -> int:
             stop_reason = sweep(args, terms, requests, budget, points, tried)
     except KeyboardInterrupt:
         stop_reason = "interrupted"
+    except _ServerFailed as e:
+        logger.error("a server did not start: %s", e)
+        stop_reason = f"stopped: a server did not start ({e})"
     best = best_point(points, terms)
     untried = [c for c in configurations(args) if c not in tried]
     out = args.output_dir

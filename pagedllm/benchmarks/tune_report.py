@@ -260,7 +260,7 @@ def markdown_report(
     slo = ", ".join(str(t) for t in terms)
     lines = ["# pagedllm tune report", "", f"- command: `{command}`", f"- SLO: `{slo}`"]
     lines.append(f"- time: {elapsed_s:.0f} s of a {budget_s:.0f} s budget ({stop_reason})")
-    lines.append(f"- configurations tried: {len(tried)}; not tried (budget): {len(untried)}")
+    lines.append(f"- configurations tried: {len(tried)}; not tried: {len(untried)}")
     lines.append("")
     if best is None:
         lines += [
@@ -295,7 +295,7 @@ def markdown_report(
         n = sum(p.config == c for p in points)
         lines.append(f"- tried: `{config_label(c)}` ({n} point(s))")
     for c in untried:
-        lines.append(f"- not tried (time budget): `{config_label(c)}`")
+        lines.append(f"- not tried ({stop_reason}): `{config_label(c)}`")
     return "\n".join(lines) + "\n"
 
 

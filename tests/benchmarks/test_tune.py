@@ -145,3 +145,19 @@ def test_tune_finds_a_config_that_meets_the_slo_again(tiny_model_dir, tmp_path):
     yaml_text = (out / "best_config.yaml").read_text()
     assert f"max_num_seqs: {best.config['max_num_seqs']}" in yaml_text
     assert Path(tiny_model_dir).name in yaml_text
+
+
+@pytest.mark.slow
+def test_a_server_that_does_not_start_ends_the_sweep_with_a_report(tiny_model_dir, tmp_path):
+    out = tmp_path / "tune"
+    argv = ["tune", "--model", tiny_model_dir, "--slo", LOOSE_SLO, "--num-prompts", "2"]
+    argv += ["--max-num-seqs", "2,4", "--max-num-batched-tokens", "64"]
+    argv += ["--enable-chunked-prefill", "true", "--serve-args", "--no-such-flag 1"]
+    argv += ["--time-budget-s", "120", "--output-dir", str(out)]
+    assert cli_main(argv) == 1
+    report = (out / "report.md").read_text()
+    assert "a server did not start" in report and "server-1.log" in report
+    assert "## Result: no configuration met the SLO" in report
+    assert report.count("- not tried (stopped: a server did not start") == 2
+    assert not (out / "best_config.yaml").exists()
+    assert "--no-such-flag" in (out / "server-1.log").read_text()
