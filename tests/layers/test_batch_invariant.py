@@ -237,3 +237,15 @@ def test_attention_row_is_the_same_in_prefill_chunks_decodes_and_batches(invaria
     reference = _attend_steps(TorchAttentionBackend(), ways[0], qkv)[(0, 39)]
     for r in results:
         torch.testing.assert_close(r, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_serve_and_bench_take_the_flag():
+    from pagedllm.entrypoints.cli.main import build_parser
+
+    parser = build_parser()
+    for argv in (
+        ["serve", "m", "--batch-invariant"],
+        ["bench", "throughput", "--model", "m", "--batch-invariant"],
+    ):
+        assert EngineArgs.from_cli_args(parser.parse_args(argv)).batch_invariant
+    assert not EngineArgs.from_cli_args(parser.parse_args(["serve", "m"])).batch_invariant
