@@ -31,6 +31,10 @@ Where the batch changes numerics on the default path, and what the mode does ins
   Unseeded sampling draws from the engine's shared generator, so it depends on the batch by
   nature.
 
+One residual: min_p's threshold uses `log(min_p)` over the batch's rows, whose last bit can
+depend on the row's lane; it moves only tokens whose logit sits within an ulp of the
+threshold.
+
 Row kernels that stay as they are (already per row, fixed order): the native RoPE, SiLU x
 mul and the embedding gather; log_softmax (ATen's last-dimension kernel reduces each row on
 its own). The engine refuses what it cannot vouch for (arg_utils: CUDA, torch.compile,

@@ -130,6 +130,12 @@ def test_tune_finds_a_config_that_meets_the_slo_again(tiny_model_dir, tmp_path):
     for label in tried:
         assert f"- tried: `{label}`" in report
     assert (out / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The same measurements against an impossible SLO: nothing is chosen, and the report says so.
+    measured = [P(**p) for p in results["points"]]
+    impossible = parse_slo("ttft_p99<=0.001ms")
+    assert best_point(measured, impossible) is None
+    text = markdown_report("cmd", impossible, measured, None, [], [], "grid done", 1, 1)
+    assert "no configuration met the SLO" in text
 
     # The chosen configuration, served fresh from its YAML, meets the SLO again.
     best = P(**results["best"])
