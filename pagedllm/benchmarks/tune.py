@@ -1,6 +1,6 @@
 """`pagedllm tune`: find the engine configuration with the highest goodput under an SLO.
 
-    pagedllm tune --model DIR --dataset random --slo "ttft_p99<=500ms,tpot_p99<=50ms" \
+    pagedllm tune --model DIR --dataset random --slo "ttft_p99<=500ms,tpot_p99<=50ms"
         [--time-budget-s 1800] [--output-dir tune-results]
 
 Algorithm. The grid is the product of the knob lists (`--max-num-seqs`,
