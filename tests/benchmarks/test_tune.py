@@ -167,3 +167,54 @@ def test_a_server_that_does_not_start_ends_the_sweep_with_a_report(tiny_model_di
     assert report.count("- not tried (stopped: a server did not start") == 2
     assert not (out / "best_config.yaml").exists()
     assert "--no-such-flag" in (out / "server-1.log").read_text()
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_sweep_and_its_server(tiny_model_dir, tmp_path):
+    """The tuner owns its servers: SIGTERM mid-benchmark unwinds like Ctrl-C, the server and
+    its engine go with it, and the report is still written."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.entrypoints.conftest import cmdline, descendant_pids, pid_alive
+
+    out = tmp_path / "tune"
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli.main", "tune"]
+    cmd += ["--model", tiny_model_dir, "--slo", LOOSE_SLO, "--num-prompts", "200"]
+    cmd += ["--input-len", "16", "--output-len", "8", "--request-rates", "0.5"]
+    cmd += ["--max-num-seqs", "4", "--max-num-batched-tokens", "64"]
+    cmd += ["--enable-chunked-prefill", "true", "--time-budget-s", "600"]
+    cmd += ["--serve-args", "--dtype float32 --max-model-len 256", "--output-dir", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    seen: set[int] = set()
+    try:
+        deadline = time.monotonic() + 120
+        url = None
+        while url is None and time.monotonic() < deadline:
+            for pid in descendant_pids(proc.pid):
+                seen.add(pid)
+                line = cmdline(pid).split()
+                if "serve" in line and "--port" in line:
+                    url = f"http://127.0.0.1:{line[line.index('--port') + 1]}"
+            time.sleep(0.2)
+        assert url is not None, "the tuner started no server"
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.25)
+        time.sleep(2.0)  # the benchmark is sending requests now
+        seen.update(descendant_pids(proc.pid))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 1  # nothing measured, nothing chosen
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    deadline = time.monotonic() + 30
+    while any(pid_alive(p) for p in seen) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in seen if pid_alive(p)]
+    assert "(interrupted)" in (out / "report.md").read_text()
