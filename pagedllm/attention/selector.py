@@ -9,6 +9,9 @@ Backends, by vLLM's names:
 - `TRITON_ATTN` (`TritonAttentionBackend`: the Triton kernels): the CUDA default. On the CPU
   it runs only in Triton's interpreter (`TRITON_INTERPRET=1`, for tests).
 
+- `BATCH_INVARIANT` (`BatchInvariantAttentionBackend`: one fixed summation order per query
+  row): only, and always, with `batch_invariant=True` (never named by hand).
+
 A choice made explicitly, by the engine argument `attention_backend` (`--attention-backend`)
 or else the environment variable `PAGEDLLM_ATTENTION_BACKEND` (vLLM's
 `VLLM_ATTENTION_BACKEND`), wins over the default; one that cannot run is a ValueError.
