@@ -10,12 +10,12 @@ PORT    ?= 8000
 
 # torch==2.13.0 goes in first (a local CPU wheel here); installing the project afterwards
 # then finds torch satisfied and never pulls a CUDA build. The optional Ray extra is installed
-# too, so the Ray executor's tests run in CI.
+# too, so the Ray executor's tests run in CI, and the tuner's plotting extra.
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q -e '.[dev,triton,ray]'
+	$(VPY) -m pip install -q -e '.[dev,triton,ray,tune]'
 	$(VPY) -m pagedllm.ops   # compile the native CPU kernels once (cached by source hash)
 	touch $@
 

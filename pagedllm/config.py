@@ -503,6 +503,8 @@ class EngineConfig:
         default_factory=StructuredOutputsConfig
     )
     kv_transfer_config: KVTransferConfig | None = None
+    # Bitwise-identical outputs whatever the batch (layers/batch_invariant.py).
+    batch_invariant: bool = False
     # Later features hang their own sub-config here (speculative, structured outputs, kv transfer).
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -9,6 +9,9 @@ Backends, by vLLM's names:
 - `TRITON_ATTN` (`TritonAttentionBackend`: the Triton kernels): the CUDA default. On the CPU
   it runs only in Triton's interpreter (`TRITON_INTERPRET=1`, for tests).
 
+- `BATCH_INVARIANT` (`BatchInvariantAttentionBackend`: one fixed summation order per query
+  row): only, and always, with `batch_invariant=True` (never named by hand).
+
 A choice made explicitly, by the engine argument `attention_backend` (`--attention-backend`)
 or else the environment variable `PAGEDLLM_ATTENTION_BACKEND` (vLLM's
 `VLLM_ATTENTION_BACKEND`), wins over the default; one that cannot run is a ValueError.
@@ -44,11 +47,14 @@ def get_attn_backend(
     device: str | torch.device,
     kv_cache_dtype: torch.dtype | None = None,
     attention_backend: str | None = None,
+    batch_invariant: bool = False,
 ) -> AttentionBackend:
     """The attention backend for `device` ("cpu", "cuda", "cuda:1" or a torch.device) and a
     KV cache of `kv_cache_dtype`: `attention_backend`, else $PAGEDLLM_ATTENTION_BACKEND, else
-    the device's default."""
+    the device's default. `batch_invariant`: `BATCH_INVARIANT` (no other may be named)."""
     device_type = torch.device(device).type
+    if batch_invariant:
+        return _batch_invariant_backend(device_type, attention_backend)
     if device_type not in ("cpu", "cuda"):
         raise ValueError(f"device={str(device)!r} has no attention backend; use 'cpu' or 'cuda'")
     name = attention_backend or os.environ.get(ATTENTION_BACKEND_ENV) or None
@@ -81,6 +87,20 @@ def get_attn_backend(
         )
         raise ValueError(f"attention_backend='TRITON_ATTN' cannot run on {device_type}: {why}")
     return _triton_backend()
+
+
+def _batch_invariant_backend(device_type: str, attention_backend: str | None) -> AttentionBackend:
+    from pagedllm.attention.batch_invariant_backend import BatchInvariantAttentionBackend
+
+    named = attention_backend or os.environ.get(ATTENTION_BACKEND_ENV)
+    if named is not None:
+        raise ValueError(
+            f"attention_backend={named!r} cannot be combined with batch_invariant=True, "
+            "which runs its own attention (BATCH_INVARIANT)"
+        )
+    if device_type != "cpu":
+        raise ValueError("batch_invariant=True runs on the CPU only (not verified on CUDA)")
+    return BatchInvariantAttentionBackend()
 
 
 def _triton_backend() -> AttentionBackend:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -29,9 +28,7 @@ import tempfile
 import time
 from typing import Any
 
-import httpx
-
-from pagedllm.spawn import get_open_port
+from pagedllm.benchmarks.server_process import ServerProcess
 
 # name -> `pagedllm bench serve` dataset flags
 WORKLOADS = {
@@ -53,49 +50,16 @@ COLUMNS = [
 ]
 
 
-class Server:
+class Server(ServerProcess):
     """`pagedllm serve` with `dp` engines of `threads` threads each; a context manager that
     stops it (SIGTERM, then SIGKILL) and its engines with it."""
 
     def __init__(self, args: argparse.Namespace, dp: int, threads: int, log: Any) -> None:
-        self.port = get_open_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", args.model]
-        cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--data-parallel-size", str(dp)]
-        cmd += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes // dp)]
-        cmd += ["--disable-log-stats", *args.serve_args]
+        flags = ["--data-parallel-size", str(dp)]
+        flags += ["--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes // dp)]
+        flags += ["--disable-log-stats", *args.serve_args]
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-        self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout_s: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with code {self.proc.returncode}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"the server was not ready within {timeout_s:.0f}s")
-
-    def __enter__(self) -> Server:
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        super().__init__(args.model, flags, log=log, env=env)
 
 
 def bench_serve(url: str, args: argparse.Namespace, flags: list[str], out_dir: str) -> dict:

@@ -24,9 +24,11 @@ from pagedllm.config import (
     ParallelConfig,
     SchedulerConfig,
     StructuredOutputsConfig,
+    env_flag,
     parse_pp_layer_partition,
     resolve_dtype,
 )
+from pagedllm.layers.batch_invariant import BATCH_INVARIANT_ENV
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_MAX_NUM_SEQS = 256
@@ -74,6 +76,8 @@ class EngineArgs:
     reasoning_parser: str | None = None
     kv_transfer_config: dict[str, Any] | None = None
     disable_log_stats: bool = False
+    # Bitwise-identical outputs whatever the batch; also $PAGEDLLM_BATCH_INVARIANT=1.
+    batch_invariant: bool = False
     # The old name of kv_cache_memory_bytes, still accepted (see ALIASES).
     kv_cache_memory: dataclasses.InitVar[int | None] = None
 
@@ -189,6 +193,9 @@ class EngineArgs:
             _check_kv_transfer_compatible(extra.get("speculative_config"), parallel_config)
         compilation_config = CompilationConfig.from_dict(self.compilation_config)
         _check_compilation_compatible(compilation_config, parallel_config)
+        batch_invariant = self.batch_invariant or env_flag(BATCH_INVARIANT_ENV)
+        if batch_invariant:
+            self._check_batch_invariant(device_config, parallel_config, compilation_config)
         return EngineConfig(
             model_config=model_config,
             cache_config=cache_config,
@@ -200,8 +207,30 @@ class EngineArgs:
             compilation_config=compilation_config,
             structured_outputs_config=StructuredOutputsConfig(self.reasoning_parser),
             kv_transfer_config=kv_transfer_config,
+            batch_invariant=batch_invariant,
             extra=extra,
         )
+
+    def _check_batch_invariant(
+        self, device: DeviceConfig, parallel: ParallelConfig, compilation: CompilationConfig
+    ) -> None:
+        """What batch-invariant mode cannot vouch for is refused, naming it."""
+        refused = {
+            "device": device.device != "cpu" and f"{device.device!r} (verified on the CPU only)",
+            "speculative_config": bool(self.speculative_config)
+            and "speculative decoding verifies drafts in batches of their own",
+            "compilation_config": compilation.level != 0
+            and f"level={compilation.level} (torch.compile may fuse and reorder reductions)",
+            "tensor_parallel_size": parallel.tensor_parallel_size > 1
+            and f"{parallel.tensor_parallel_size} (all-reduces across ranks)",
+            "pipeline_parallel_size": parallel.pipeline_parallel_size > 1
+            and f"{parallel.pipeline_parallel_size} (not verified)",
+            "attention_backend": self.attention_backend is not None
+            and f"{self.attention_backend!r} (the mode runs its own, BATCH_INVARIANT)",
+        }
+        for name, why in refused.items():
+            if why:
+                raise ValueError(f"batch_invariant=True cannot be combined with {name}: {why}")
 
     def _generation_config(self, load: Any) -> dict[str, Any]:
         """vLLM's `generation_config`: "auto" reads the model's generation_config.json,
@@ -356,6 +385,8 @@ _HELP = {
     "block_size": "Tokens per KV-cache block.",
     "enable_prefix_caching": "Reuse KV blocks of shared prompt prefixes.",
     "enable_chunked_prefill": "Split long prompts over several steps.",
+    "batch_invariant": "A request's tokens and logprobs are bitwise the same whatever the batch "
+    "(row-by-row GEMMs, fixed-order attention; slower). Also PAGEDLLM_BATCH_INVARIANT=1.",
     "max_num_batched_tokens": "Token budget of one step.",
     "max_num_seqs": "Most requests running at once.",
     "served_model_name": "Name(s) the model is served under (all accepted as `model`; the "

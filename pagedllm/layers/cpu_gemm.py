@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.config import env_flag
+from pagedllm.layers.batch_invariant import linear_by_rows
 from pagedllm.layers.quantization import int8_linear
 from pagedllm.ops import cpu_ops
 
@@ -137,6 +138,19 @@ def packed_linear(
     weights: the W8A8 product of `layers/quantization.py`); the result is in `out_dtype`
     (default: x's dtype)."""
     flat = x.reshape(-1, x.shape[-1])
+    if getattr(module, "batch_invariant", False):  # row by row (layers/batch_invariant.py)
+        y = linear_by_rows(lambda row: _linear_2d(module, row, bias, out_dtype), flat)
+    else:
+        y = _linear_2d(module, flat, bias, out_dtype)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _linear_2d(
+    module: torch.nn.Module,
+    flat: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype | None,
+) -> torch.Tensor:
     scale = getattr(module, "weight_scale", None)
     panels = getattr(module, "weight_panels", None)
     out_fp32 = out_dtype == torch.float32
@@ -153,12 +167,12 @@ def packed_linear(
     elif panels is not None:
         y = cpu_ops().linear(flat.contiguous(), panels, bias, module.weight_out_features, out_fp32)
     elif scale is not None:  # int8 without the native kernel: the reference
-        y = int8_linear(flat, module.weight, scale, bias, out_dtype or x.dtype)
+        y = int8_linear(flat, module.weight, scale, bias, out_dtype or flat.dtype)
     else:
         packed = getattr(module, "weight_packed", None)
         if packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), packed, bias, "none", [], "")
         else:
             y = F.linear(flat, module.weight, bias)
-        y = y.to(out_dtype or x.dtype)
-    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+        y = y.to(out_dtype or flat.dtype)
+    return y

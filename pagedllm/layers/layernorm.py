@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.layers.batch_invariant import mean_of_squares
 from pagedllm.layers.linear import default_weight_loader, set_weight_loader
 from pagedllm.ops import cpu_ops
 
@@ -16,7 +17,11 @@ class RMSNorm(nn.Module):
     `forward(x)` returns the normalized x; `forward(x, residual)` first adds `residual` to x and
     returns `(normalized sum, sum)`: the sum is the next residual stream. bf16 rows on the CPU
     take the native kernel (one pass, same roundings; the residual is updated in place).
+    `batch_invariant` (set by `make_batch_invariant_`): the PyTorch path with a sequential
+    sum of squares.
     """
+
+    batch_invariant = False
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -29,14 +34,17 @@ class RMSNorm(nn.Module):
         # x [..., hidden]
         dtype = x.dtype
         xf = x.to(torch.float32)
-        variance = xf.pow(2).mean(-1, keepdim=True)
+        if self.batch_invariant:
+            variance = mean_of_squares(xf)
+        else:
+            variance = xf.pow(2).mean(-1, keepdim=True)
         xf = xf * torch.rsqrt(variance + self.eps)
         return self.weight * xf.to(dtype)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_cpu:
+        if x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_cpu and not self.batch_invariant:
             ops = cpu_ops()
             if ops is not None:
                 if residual is None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagedllm.layers.batch_invariant import det_exp
 from pagedllm.sample import ops
 from pagedllm.sample.logprobs import LogprobsTensors, gather_logprobs
 from pagedllm.sample.metadata import SamplingMetadata
@@ -34,7 +35,14 @@ class SamplerOutput:
 
 
 class Sampler(nn.Module):
-    """Samples one token per row of the logits, following each row's `SamplingParams`."""
+    """Samples one token per row of the logits, following each row's `SamplingParams`.
+
+    `batch_invariant`: the draw's weights come from `det_exp`, whose bits do not depend on
+    the row's place in the batch (layers/batch_invariant.py)."""
+
+    def __init__(self, batch_invariant: bool = False) -> None:
+        super().__init__()
+        self.batch_invariant = batch_invariant
 
     def forward(
         self, logits: torch.Tensor, metadata: SamplingMetadata, overwrite: bool = False
@@ -52,7 +60,9 @@ class Sampler(nn.Module):
         if not owned and has_logits_processors(metadata):
             processed, owned = processed.clone(), True
         processed = self.apply_logits_processors(processed, metadata)
-        sampled = self.sample(processed, metadata, in_place=owned)
+        sampled = self.sample(
+            processed, metadata, in_place=owned, batch_invariant=self.batch_invariant
+        )
 
         logprobs = None
         if raw_logprobs is not None:
@@ -84,7 +94,10 @@ class Sampler(nn.Module):
 
     @staticmethod
     def sample(
-        logits: torch.Tensor, metadata: SamplingMetadata, in_place: bool = True
+        logits: torch.Tensor,
+        metadata: SamplingMetadata,
+        in_place: bool = True,
+        batch_invariant: bool = False,
     ) -> torch.Tensor:
         """Processed `logits [B, V]` -> token ids [B]. Random rows overwrite `logits` when
         `in_place`, else work on a copy."""
@@ -102,7 +115,8 @@ class Sampler(nn.Module):
         mask_top_p = None if top_p_in_draw else metadata.top_p
         logits = ops.apply_top_k_top_p(logits, metadata.top_k, mask_top_p, metadata.max_top_k)
         # Unnormalized probabilities are enough for the draw; computed in place.
-        weights = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()  # [B, V]
+        logits = logits.sub_(logits.amax(dim=-1, keepdim=True))
+        weights = det_exp(logits) if batch_invariant else logits.exp_()  # [B, V]
         if top_p_in_draw:
             sampled = ops.random_sample_top_p(weights, metadata.top_p, metadata.generators)
         else:

@@ -43,6 +43,7 @@ from pagedllm.distributed.kv_transfer.base import (
 )
 from pagedllm.distributed.kv_transfer.factory import KVConnectorFactory
 from pagedllm.distributed.kv_transfer.kv_blocks import kv_block_dim
+from pagedllm.layers.batch_invariant import make_batch_invariant_, reseed_for_token
 from pagedllm.models.loader import get_model
 from pagedllm.models.pipeline import IntermediateTensors
 from pagedllm.outputs import BeamCandidates, LogprobsLists, ModelRunnerOutput
@@ -123,8 +124,10 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.dtype = config.model_config.dtype
         self.requests: dict[str, CachedRequestState] = {}
-        self.sampler = Sampler()
-        self.attn_backend = get_attn_backend(device, self.dtype, config.attention_backend)
+        self.sampler = Sampler(batch_invariant=config.batch_invariant)
+        self.attn_backend = get_attn_backend(
+            device, self.dtype, config.attention_backend, config.batch_invariant
+        )
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.cuda_graphs: CUDAGraphRunner | None = None  # captured mode (capture_model)
@@ -149,6 +152,8 @@ class ModelRunner:
     def load_model(self) -> None:
         self.model = get_model(self.config)
         compile_model(self.model, self.config.compilation_config)
+        if self.config.batch_invariant:
+            make_batch_invariant_(self.model)
         if not get_attention_layers(self.model):
             raise RuntimeError("the model has no Attention layers to bind a KV cache to")
         if self.drafter is None:
@@ -447,6 +452,10 @@ class ModelRunner:
     def _sample(
         self, logits: torch.Tensor, states: list[CachedRequestState]
     ) -> tuple[list[int], list[LogprobsLists | None] | None]:
+        if self.config.batch_invariant:
+            for s in states:
+                if s.generator is not None:
+                    reseed_for_token(s.generator, s.sampling_params.seed, len(s.output_token_ids))
         metadata = self._sampling_metadata(states, logits.shape[-1])
         out = self.sampler(logits, metadata, overwrite=True)  # the logits are ours to spend
         token_ids = out.sampled_token_ids.tolist()

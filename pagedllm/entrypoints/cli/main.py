@@ -1,4 +1,4 @@
-"""The `pagedllm` command: `serve`, `generate`, `bench ...`, `make-demo-model`,
+"""The `pagedllm` command: `serve`, `generate`, `bench ...`, `tune`, `make-demo-model`,
 `disagg-proxy`.
 
 Each verb lives in its own module with `register(subparsers)`; heavy imports (torch,
@@ -17,6 +17,7 @@ _VERB_MODULES = (
     "pagedllm.entrypoints.cli.serve",
     "pagedllm.entrypoints.cli.generate",
     "pagedllm.entrypoints.cli.bench",
+    "pagedllm.entrypoints.cli.tune",
     "pagedllm.entrypoints.cli.demo_model",
     "pagedllm.entrypoints.cli.disagg_proxy",
 )
