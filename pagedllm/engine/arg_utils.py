@@ -113,14 +113,15 @@ class EngineArgs:
         if not self.model:
             raise ValueError("model must be a local checkpoint directory, got an empty value")
         device_config = DeviceConfig(self.device)
-        hf_config = get_hf_config(self.model, trust_remote_code=self.trust_remote_code)
+        model_dir, tokenizer = _checkpoint_dirs(self.model, self.tokenizer)
+        hf_config = get_hf_config(model_dir, trust_remote_code=self.trust_remote_code)
         max_model_len = self._resolve_max_model_len(hf_config)
-        generation_config = self._generation_config(get_generation_config)
+        generation_config = self._generation_config(get_generation_config, model_dir)
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise ValueError(f"max_logprobs={self.max_logprobs} must be -1 (no limit) or >= 0")
         model_config = ModelConfig(
-            model=self.model,
-            tokenizer=self.tokenizer or self.model,
+            model=model_dir,
+            tokenizer=tokenizer,
             hf_config=hf_config,
             dtype=resolve_dtype(
                 self.dtype,
@@ -130,10 +131,12 @@ class EngineArgs:
             max_model_len=max_model_len,
             quantization=check_quantization(self.quantization),
             seed=self.seed,
-            served_model_name=self.served_model_name,
+            # A GGUF file is served under the path given, not its cached directory's.
+            served_model_name=self.served_model_name
+            or (None if model_dir == self.model else self.model),
             trust_remote_code=self.trust_remote_code,
             max_logprobs=self.max_logprobs,
-            eos_token_ids=get_eos_token_ids(self.model, hf_config, generation_config),
+            eos_token_ids=get_eos_token_ids(model_dir, hf_config, generation_config),
             generation_config=generation_config,
         )
         max_num_batched_tokens = self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -232,11 +235,11 @@ class EngineArgs:
             if why:
                 raise ValueError(f"batch_invariant=True cannot be combined with {name}: {why}")
 
-    def _generation_config(self, load: Any) -> dict[str, Any]:
+    def _generation_config(self, load: Any, model_dir: str) -> dict[str, Any]:
         """vLLM's `generation_config`: "auto" reads the model's generation_config.json,
         "vllm" none (built-in defaults), anything else is a folder holding one."""
         if self.generation_config == "auto":
-            return load(self.model)
+            return load(model_dir)
         if self.generation_config == "vllm":
             return {}
         from pagedllm.transformers_utils.config import resolve_local_dir
@@ -325,6 +328,20 @@ def human_readable_int(value: str) -> int:
         raise argparse.ArgumentTypeError(
             f"{value!r} is not a size (an integer, or e.g. 512M, 4G, 25.6k)"
         ) from None
+
+
+def _checkpoint_dirs(model: str, tokenizer: str | None) -> tuple[str, str]:
+    """(model directory, tokenizer directory) for `model` and `--tokenizer`: a GGUF file (or
+    a directory holding one) stands for its cached checkpoint directory
+    (transformers_utils/gguf.py); the tokenizer defaults to the model's."""
+    from pagedllm.transformers_utils.gguf import find_gguf_file, gguf_checkpoint_dir
+
+    def resolve(name: str) -> str:
+        gguf_file = find_gguf_file(name)
+        return str(gguf_checkpoint_dir(gguf_file)) if gguf_file is not None else name
+
+    model_dir = resolve(model)
+    return model_dir, resolve(tokenizer) if tokenizer else model_dir
 
 
 def _check_kv_transfer_compatible(speculative_config: Any, parallel: ParallelConfig) -> None:

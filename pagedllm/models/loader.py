@@ -20,6 +20,7 @@ from torch import nn
 from pagedllm.config import EngineConfig
 from pagedllm.layers.quantization import quantize_model_
 from pagedllm.models.registry import resolve_model_cls
+from pagedllm.transformers_utils.gguf import is_gguf_checkpoint_dir
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,13 @@ def list_weight_files(model_dir: str | Path) -> list[Path]:
 
 
 def iterate_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, CPU tensor) for every tensor of the checkpoint, one file at a time."""
+    """Yield (name, CPU tensor) for every tensor of the checkpoint, one file at a time (or,
+    for a GGUF checkpoint, one dequantized tensor at a time)."""
+    if is_gguf_checkpoint_dir(model_dir):
+        from pagedllm.models.gguf_loader import iterate_gguf_weights
+
+        yield from iterate_gguf_weights(model_dir)
+        return
     for path in list_weight_files(model_dir):
         if path.suffix == ".safetensors":
             from safetensors import safe_open
@@ -106,7 +113,7 @@ def get_model(config: EngineConfig) -> nn.Module:
         model_cls.__name__,
         model_config.dtype,
         f", {model_config.quantization} weights" if model_config.quantization else "",
-        sum(p.numel() for p in model.parameters()) / 1e6,
+        model.num_checkpoint_parameters / 1e6,
         device,
     )
     return model
@@ -122,7 +129,9 @@ def load_module(
     """Build a module in `dtype` on `device` (parameters allocated in place), stream the
     checkpoint in `model_dir` into its `load_weights` (which returns the names of the
     parameters it filled), check that none is missing (ValueError naming `source`), run the
-    layers' `process_weights_after_loading` hooks; returns it in eval mode."""
+    layers' `process_weights_after_loading` hooks; returns it in eval mode, with
+    `num_checkpoint_parameters` set to its parameter count before those hooks ran (they may
+    repack weights into other shapes; this rank's shard only, with tensor parallelism)."""
     with default_dtype(dtype), device:
         module = build()
     with torch.no_grad():
@@ -135,6 +144,7 @@ def load_module(
         raise ValueError(
             f"{source} has no weights for these parameters of {type(module).__name__}: {shown}"
         )
+    module.num_checkpoint_parameters = sum(p.numel() for p in module.parameters())
     for sub in module.modules():
         hook = getattr(sub, "process_weights_after_loading", None)
         if hook is not None:

@@ -19,10 +19,10 @@ def resolve_local_dir(name: str, what: str = "model") -> Path:
     path = Path(os.path.expanduser(str(name)))
     if not path.is_dir():
         raise ValueError(
-            f"{what}={str(name)!r} is not an existing local directory. pagedllm has no network "
-            "or Hugging Face Hub access here: pass the path of a local checkpoint directory "
-            "(config.json, *.safetensors, tokenizer files), e.g. one written by "
-            "`pagedllm make-demo-model DIR`."
+            f"{what}={str(name)!r} is not an existing local directory or .gguf file. pagedllm "
+            "has no network or Hugging Face Hub access here: pass the path of a local "
+            "checkpoint directory (config.json, *.safetensors, tokenizer files) or of a GGUF "
+            "file, e.g. the demo model `pagedllm fetch-demo-model` writes."
         )
     return path
 

@@ -1,5 +1,5 @@
 """The `pagedllm` command: `serve`, `generate`, `bench ...`, `tune`, `make-demo-model`,
-`disagg-proxy`.
+`fetch-demo-model`, `disagg-proxy`.
 
 Each verb lives in its own module with `register(subparsers)`; heavy imports (torch,
 transformers) happen inside the verb, so `pagedllm --help` stays fast.
@@ -19,6 +19,7 @@ _VERB_MODULES = (
     "pagedllm.entrypoints.cli.bench",
     "pagedllm.entrypoints.cli.tune",
     "pagedllm.entrypoints.cli.demo_model",
+    "pagedllm.entrypoints.cli.fetch_demo_model",
     "pagedllm.entrypoints.cli.disagg_proxy",
 )
 
