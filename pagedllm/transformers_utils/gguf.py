@@ -32,7 +32,7 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 GGUF_INDEX = "gguf_tensors.json"
-_COMPLETE = ".pagedllm-complete"
+COMPLETE_MARKER = ".pagedllm-complete"
 # Bumped when the directory's layout changes, so old cached directories are rebuilt.
 _FORMAT_VERSION = 1
 
@@ -91,7 +91,7 @@ def gguf_checkpoint_dir(gguf_file: str | Path) -> Path:
         f"{_FORMAT_VERSION}|{gguf_file}|{stat.st_size}|{stat.st_mtime_ns}".encode()
     ).hexdigest()[:16]
     target = gguf_cache_root() / f"{gguf_file.stem}-{key}"
-    if (target / _COMPLETE).is_file():
+    if (target / COMPLETE_MARKER).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{gguf_file.stem}-", dir=target.parent))
@@ -101,7 +101,7 @@ def gguf_checkpoint_dir(gguf_file: str | Path) -> Path:
         try:
             tmp.rename(target)
         except OSError:  # another process finished first (or left an unfinished one)
-            if not (target / _COMPLETE).is_file():
+            if not (target / COMPLETE_MARKER).is_file():
                 shutil.rmtree(target, ignore_errors=True)
                 tmp.rename(target)
     finally:
@@ -140,7 +140,7 @@ def write_gguf_checkpoint_dir(gguf_file: str | Path, out_dir: str | Path) -> Non
     _generation_config(config).save_pretrained(str(out_dir))
     _tokenizer(gguf_file).save_pretrained(str(out_dir))
     (out_dir / GGUF_INDEX).write_text(json.dumps(index, indent=1))
-    (out_dir / _COMPLETE).write_text(str(gguf_file))
+    (out_dir / COMPLETE_MARKER).write_text(str(gguf_file))
 
 
 def _field(reader: Any, key: str) -> Any:

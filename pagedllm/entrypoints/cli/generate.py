@@ -10,8 +10,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from pagedllm.engine.arg_utils import EngineArgs
 
     p = subparsers.add_parser("generate", help="generate text offline for one or more prompts")
-    p.add_argument("--model", default=None, help="checkpoint directory (default: demo model)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint directory or .gguf file (default: the demo model, SmolLM2-135M-Instruct)",
+    )
     p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
+    p.add_argument(
+        "--chat",
+        action="append",
+        default=None,
+        help="a user message, sent through the model's chat template (repeatable; one "
+        "conversation each); not with --prompt",
+    )
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -24,11 +35,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from pagedllm import LLM, SamplingParams
     from pagedllm.engine.arg_utils import EngineArgs
-    from pagedllm.testing.demo_model import default_demo_model_dir
+    from pagedllm.testing.smollm2 import fetch_demo_model
 
+    if args.prompt and args.chat:
+        raise ValueError("pass --prompt or --chat, not both")
     engine_args = EngineArgs.from_cli_args(args)
-    engine_args.model = args.model or default_demo_model_dir()
-    prompts = args.prompt or ["The capital of France is"]
+    engine_args.model = args.model or str(fetch_demo_model())
     llm = LLM(**engine_args.as_kwargs())
     params = SamplingParams(
         max_tokens=args.max_tokens,
@@ -38,12 +50,18 @@ def run(args: argparse.Namespace) -> int:
         n=args.n,
     )
     t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    if args.chat:
+        conversations = [[{"role": "user", "content": text}] for text in args.chat]
+        outputs = llm.chat(conversations, params, use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompt or ["The capital of France is"], params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     n_tokens = 0
-    for out in outputs:
+    inputs = [f"User: {text!r}" for text in args.chat] if args.chat else None
+    for i, out in enumerate(outputs):
+        print(inputs[i] if inputs else f"Prompt: {out.prompt!r}")
         for c in out.outputs:
             n_tokens += len(c.token_ids)
-            print(f"Prompt: {out.prompt!r}\nOutput[{c.index}]: {c.text!r} ({c.finish_reason})")
+            print(f"Output[{c.index}]: {c.text!r} ({c.finish_reason})")
     print(f"{n_tokens} tokens in {elapsed:.2f}s ({n_tokens / elapsed:.1f} tokens/s)")
     return 0

@@ -1,7 +1,7 @@
 """`pagedllm serve [MODEL_DIR]`: the OpenAI-compatible server, with vLLM's flags.
 
-With no model (positional or `--model`), it serves the built-in demo model, built on first
-use into the user's cache directory. Three shapes, as in vLLM:
+With no model (positional or `--model`), it serves the demo model (SmolLM2-135M-Instruct,
+fetched and converted on first use into the user's cache directory) under its name. Three shapes, as in vLLM:
 
 - one API server (default), which launches the engines itself (`--data-parallel-size D`);
 - `--api-server-count K`: this process launches the engines and K API server processes on
@@ -33,7 +33,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Start the OpenAI-compatible HTTP server (vLLM's flags).",
     )
     parser.add_argument(
-        "model_tag", nargs="?", default=None, help="checkpoint directory (default: demo model)"
+        "model_tag",
+        nargs="?",
+        default=None,
+        help="checkpoint directory or .gguf file (default: the demo model)",
     )
     parser.add_argument("--model", default=None, help="checkpoint directory (same as MODEL)")
     make_arg_parser(parser)
@@ -51,9 +54,10 @@ def cmd(args: argparse.Namespace) -> int:
         )
     args.model = args.model_tag or args.model
     if not args.model:
-        from pagedllm.testing.demo_model import default_demo_model_dir
+        from pagedllm.testing.smollm2 import DEMO_MODEL_NAME, fetch_demo_model
 
-        args.model = default_demo_model_dir()
+        args.model = str(fetch_demo_model())
+        args.served_model_name = args.served_model_name or [DEMO_MODEL_NAME]
     check_data_parallel_args(args)
     if args.headless:
         return run_headless(args)
