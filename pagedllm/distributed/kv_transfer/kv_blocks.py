@@ -128,7 +128,8 @@ def kv_cache_fingerprint(config: EngineConfig) -> str:
     model_dir = mc.model
     if os.path.isdir(model_dir):
         for name in sorted(os.listdir(model_dir)):
-            if not name.endswith((".safetensors", ".bin", ".pt")):
+            # gguf_tensors.json: a GGUF checkpoint's weights are in the file its index names.
+            if not name.endswith((".safetensors", ".bin", ".pt", "gguf_tensors.json")):
                 continue
             path = os.path.join(model_dir, name)
             size = os.path.getsize(path)
