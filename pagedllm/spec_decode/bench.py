@@ -6,7 +6,8 @@ acceptance length, at a few batch sizes; medians of several timed runs.
 
 Workload: greedy, EOS ignored, `--max-tokens` new tokens per request, prompts made of one
 English sentence repeated (a different sentence per request): text where prompt
-lookup has something to copy. `draft_model` defaults to the target itself (every draft is
+lookup has something to copy; or (`--prompts summarize`, for a real instruction-tuned model
+such as the demo model) chat requests to summarise a paragraph, EOS honoured. `draft_model` defaults to the target itself (every draft is
 accepted: the upper bound of acceptance, at the full cost of the target per draft token);
 EAGLE and Medusa heads are random (built for the target under --work-dir) unless given, so
 their numbers show the overhead at near-zero acceptance; `pagedllm.spec_decode.train_heads`
@@ -43,6 +44,25 @@ def _prompts(tokenizer: Any, batch_size: int, min_tokens: int) -> list[list[int]
             sentence = sentence.lower() if i // len(_SENTENCES) % 2 else sentence.upper()
         ids = tokenizer.encode(sentence + " ", add_special_tokens=False)
         prompts.append(ids * -(-min_tokens // len(ids)))
+    return prompts
+
+
+def _summary_prompts(tokenizer: Any, batch_size: int, min_tokens: int) -> list[list[int]]:
+    """Chat requests asking an instruction-tuned model to summarise a paragraph (the
+    sentences above, rotated per request, repeated to at least `min_tokens` tokens): answers
+    that reuse their input's wording, the workload prompt lookup is for."""
+    prompts = []
+    for i in range(batch_size):
+        text = ""
+        for j in range(4 * len(_SENTENCES)):
+            text += _SENTENCES[(i + j) % len(_SENTENCES)] + " "
+            if len(tokenizer.encode(text, add_special_tokens=False)) >= min_tokens:
+                break
+        message = f"Summarize the following text in a few sentences.\n\n{text.strip()}"
+        chat = tokenizer.apply_chat_template(
+            [{"role": "user", "content": message}], add_generation_prompt=True, tokenize=False
+        )
+        prompts.append(tokenizer.encode(chat, add_special_tokens=False))
     return prompts
 
 
@@ -97,6 +117,8 @@ def run_one(args: argparse.Namespace, method: str, batch_size: int) -> dict[str,
         from pagedllm.testing.copy_model import copy_prompts
 
         ids = copy_prompts(tokenizer, batch_size, args.prompt_tokens, args.copy_alphabet)
+    elif args.prompts == "summarize":
+        ids = _summary_prompts(tokenizer, batch_size, args.prompt_tokens)
     else:
         ids = _prompts(tokenizer, batch_size, args.prompt_tokens)
     prompts = [{"prompt_token_ids": p} for p in ids]
@@ -104,7 +126,7 @@ def run_one(args: argparse.Namespace, method: str, batch_size: int) -> dict[str,
         temperature=args.temperature,
         seed=0 if args.temperature > 0 else None,
         max_tokens=args.max_tokens,
-        ignore_eos=True,
+        ignore_eos=args.prompts != "summarize",  # a real model's answers end where they end
     )
     llm.generate(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     recorder = SpecDecodingRecorder()
@@ -149,10 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-memory-bytes", "--kv-cache-memory", type=int, default=1 << 30)
     parser.add_argument(
         "--prompts",
-        choices=["text", "copy"],
+        choices=["text", "copy", "summarize"],
         default="text",
         help="text: a sentence repeated; copy: a token pattern repeated, from the alphabet "
-        "a pagedllm.testing.copy_model checkpoint was trained on",
+        "a pagedllm.testing.copy_model checkpoint was trained on; summarize: chat requests to "
+        "summarise a paragraph (an instruction-tuned model; EOS honoured)",
     )
     parser.add_argument("--copy-alphabet", type=int, default=64)
     parser.add_argument(
