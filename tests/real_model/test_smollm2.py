@@ -74,3 +74,12 @@ def test_structured_output_is_sensible_json(smollm2_llm):
     value = json.loads(out.text)
     jsonschema.validate(value, CAPITAL_SCHEMA)
     assert value["capital"] == "Paris"
+
+
+def test_parameter_count_is_the_checkpoints(smollm2_dir, make_engine_config):
+    """The load log's count is taken before the CPU GEMM layouts repack the weights (bf16 on
+    AVX-512 CPUs packs them into panels, which once counted 28.3M here)."""
+    from pagedllm.models.loader import get_model
+
+    model = get_model(make_engine_config(smollm2_dir, dtype=torch.bfloat16, max_model_len=256))
+    assert model.num_checkpoint_parameters == 134_515_008  # SmolLM2-135M, embedding tied
