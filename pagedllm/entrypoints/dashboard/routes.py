@@ -29,6 +29,7 @@ _STATIC = resources.files("pagedllm.entrypoints.dashboard") / "static"
 _MEDIA_TYPES = {".js": "text/javascript", ".css": "text/css", ".html": "text/html"}
 _LOGIN_PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>pagedllm dashboard: sign in</title>
+<link rel="icon" href="data:,">
 <style>body{font:15px system-ui,sans-serif;background:#111827;color:#e5e7eb;display:grid;
 place-items:center;height:90vh}form{display:flex;gap:8px}input,button{font:inherit;
 padding:6px 10px;border-radius:6px;border:1px solid #4b5563;background:#1f2937;color:inherit}
