@@ -22,7 +22,7 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched.output import SchedulerOutput
 from pagedllm.core.sched.scheduler import Scheduler
 from pagedllm.engine import EngineCoreOutputs, EngineCoreRequest, EngineSnapshot
-from pagedllm.engine.snapshot import StepTimes, make_engine_snapshot
+from pagedllm.engine.snapshot import BlockMap, StepTimes, make_engine_snapshot
 from pagedllm.executor.abstract import Executor
 from pagedllm.outputs import ModelRunnerOutput
 from pagedllm.structured_output.manager import StructuredOutputManager
@@ -54,6 +54,7 @@ class EngineCore:
         self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
         # Where steps spend their time (the dashboard's split; engine/snapshot.py).
         self.step_times = StepTimes()
+        self.block_map = BlockMap()
         logger.info(
             "EngineCore ready in %.1fs: %d KV blocks of %d tokens (%d tokens)",
             time.monotonic() - t0,
@@ -132,7 +133,7 @@ class EngineCore:
 
     def make_snapshot(self) -> EngineSnapshot:
         """The dashboard's view of this engine now (engine/snapshot.py)."""
-        return make_engine_snapshot(self.scheduler, self.step_times)
+        return make_engine_snapshot(self.scheduler, self.step_times, self.block_map)
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

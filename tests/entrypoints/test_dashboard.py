@@ -9,6 +9,7 @@ import base64
 import json
 import os
 import shutil
+import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -239,3 +240,17 @@ def test_page_in_a_browser_moves_under_load_and_settles(server, tmp_path):
         finally:
             browser.close()
     assert errors == [], errors
+
+
+@pytest.mark.slow
+def test_an_open_page_does_not_hold_up_shutdown(server):
+    """Last in this module: it stops the server. The stream ends at the next tick after
+    SIGTERM instead of being cut at --timeout-graceful-shutdown."""
+    with httpx.stream("GET", f"{server.url}/dashboard/events", headers=AUTH, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines) == "event: init"
+        server.proc.send_signal(signal.SIGTERM)
+        for _ in lines:  # returns when the server ends the stream
+            pass
+    assert server.proc.wait(timeout=60) is not None
+    assert "timeout graceful shutdown exceeded" not in server.logs()

@@ -19,7 +19,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.engine import EngineSnapshot, SchedulerStats
@@ -219,16 +219,24 @@ def sse(event: str | None, data: Any) -> bytes:
 
 class Dashboard:
     """The front end's dashboard: per-engine loggers registered on `engine`, a ticker task
-    (`start` / `stop`, on the server's event loop) and the SSE listeners (`listen`)."""
+    (`start` / `stop`, on the server's event loop) and the SSE listeners (`listen`).
+    `is_closing()` turning true (the server stops) ends every stream at the next tick, so an
+    open page does not hold up a graceful shutdown."""
 
-    def __init__(self, engine: AsyncLLM, tick_s: float = TICK_S) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        tick_s: float = TICK_S,
+        is_closing: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.engine = engine
+        self.is_closing = is_closing
         self.tick_s = tick_s
         self.loggers = [DashboardStatLogger(r) for r in range(engine.engine_core.num_engines)]
         for rank, stat_logger in enumerate(self.loggers):
             engine.add_stat_logger(stat_logger, rank)
         self.config = engine_config_info(engine)
-        self._listeners: set[asyncio.Queue[bytes]] = set()
+        self._listeners: set[asyncio.Queue[bytes | None]] = set()
         self._snapshots_on = False
         self._calls: set[asyncio.Task] = set()
         self._task: asyncio.Task | None = None
@@ -282,7 +290,7 @@ class Dashboard:
             points = [lg.tick(wall) for lg in self.loggers]
             if not self._listeners:
                 continue
-            message = sse(None, self._update(points, wall))
+            message = None if self.is_closing() else sse(None, self._update(points, wall))
             for queue in self._listeners:
                 if queue.full():  # a slow page skips a tick rather than lag behind
                     queue.get_nowait()
@@ -290,13 +298,13 @@ class Dashboard:
 
     async def listen(self) -> AsyncGenerator[bytes, None]:
         """One page's event stream: `init`, then an update every tick until it leaves."""
-        queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=4)
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=4)
         self._listeners.add(queue)
         try:
             self._sync_snapshots()
             yield sse("init", self.init_message())
-            while True:
-                yield await queue.get()
+            while (message := await queue.get()) is not None:
+                yield message
         finally:
             self._listeners.discard(queue)
             self._sync_snapshots()

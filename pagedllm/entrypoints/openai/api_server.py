@@ -337,7 +337,8 @@ def build_app(
         try:
             init_app_state(app, the_engine, args)
             if not getattr(args, "disable_dashboard", False):
-                dashboard = app.state.dashboard = Dashboard(the_engine)
+                closing = getattr(app.state, "server_should_exit", lambda: False)
+                dashboard = app.state.dashboard = Dashboard(the_engine, is_closing=closing)
                 dashboard.start()
             keep_alive = bool(getattr(args, "keep_alive_on_engine_death", False))
             watchdog = asyncio.create_task(_engine_watchdog(app, the_engine, keep_alive))
@@ -419,6 +420,7 @@ def run_server(
     logger.info("Starting the OpenAI-compatible server on %s:%d", config.host, args.port)
     server = uvicorn.Server(config)
     app.state.request_shutdown = lambda: setattr(server, "should_exit", True)
+    app.state.server_should_exit = lambda: server.should_exit
     try:
         server.run(sockets=[sock])
     finally:
