@@ -19,9 +19,16 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from pagedllm.engine import EngineSnapshot, SchedulerStats
 from pagedllm.entrypoints.dashboard.routes import COOKIE_NAME, dashboard_token
+from pagedllm.entrypoints.dashboard.state import (
+    POINT_FIELDS,
+    DashboardStatLogger,
+    percentile,
+)
 from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.entrypoints.openai.cli_args import make_arg_parser
+from pagedllm.metrics.stats import IterationStats
 from tests.entrypoints.conftest import API_KEY, RemoteServer
 
 ARGS = [
@@ -88,6 +95,39 @@ def test_api_key_login_sets_a_cookie_that_opens_the_dashboard():
     assert client.get("/dashboard/static/dashboard.css").status_code == 200
     # /v1 still wants the header: the cookie opens the dashboard only.
     assert client.get("/v1/models").status_code == 401
+
+
+def test_stat_logger_ticks_rates_percentiles_and_step_split():
+    lg = DashboardStatLogger(0, window_s=10.0)
+    start = lg._last_tick
+    it = IterationStats(num_generation_tokens=30, num_prompt_tokens=100)
+    it.time_to_first_tokens += [0.1, 0.2, 0.3, 0.4]
+    it.inter_token_latencies += [0.01] * 99 + [0.5]
+    lg.record(SchedulerStats(num_running_reqs=3, kv_cache_usage=0.25), it)
+    lg.record_snapshot(EngineSnapshot(0.0, 4, b"\x00\x01\x02\x00", num_steps=5,
+                                      step_times=(0.001, 0.002, 0.0005, 0.0001)))  # fmt: skip
+    point = dict(zip(POINT_FIELDS, lg.tick(1234.0, start + 2.0)))
+    assert point["t"] == 1234.0
+    assert point["gen_tps"] == pytest.approx(15.0) and point["prompt_tps"] == pytest.approx(50.0)
+    assert point["ttft_p50"] == pytest.approx(200.0) and point["ttft_p99"] == pytest.approx(400.0)
+    assert point["itl_p50"] == pytest.approx(10.0) and point["itl_p99"] == pytest.approx(10.0)
+    assert (point["sched_ms"], point["model_ms"]) == pytest.approx((1.0, 2.0))
+    assert (point["kv_usage"], point["running"]) == (0.25, 3)
+    state = lg.current(0.0)
+    assert base64.b64decode(state["blocks"]) == b"\x00\x01\x02\x00"
+    # The next second: no tokens, no new steps (a gap), latencies still in the window;
+    # past the window they are gone.
+    quiet = dict(zip(POINT_FIELDS, lg.tick(1235.0, start + 3.0)))
+    assert quiet["gen_tps"] == 0 and quiet["model_ms"] is None and quiet["ttft_p50"] is not None
+    late = dict(zip(POINT_FIELDS, lg.tick(1250.0, start + 20.0)))
+    assert late["ttft_p50"] is None and late["itl_p99"] is None
+    assert len(lg.history) == 3
+
+
+def test_percentile_is_nearest_rank():
+    assert percentile([], 0.5) is None
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert percentile(list(range(1, 101)), 0.99) == 99
 
 
 # ---- a live server ------------------------------------------------------------------------

@@ -286,15 +286,21 @@ class Dashboard:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.tick_s)
-            wall = time.time()
-            points = [lg.tick(wall) for lg in self.loggers]
-            if not self._listeners:
-                continue
-            message = None if self.is_closing() else sse(None, self._update(points, wall))
-            for queue in self._listeners:
-                if queue.full():  # a slow page skips a tick rather than lag behind
-                    queue.get_nowait()
-                queue.put_nowait(message)
+            try:
+                self._tick()
+            except Exception:  # a bad tick must not stop the page for good
+                logger.exception("Dashboard tick failed")
+
+    def _tick(self) -> None:
+        wall = time.time()
+        points = [lg.tick(wall) for lg in self.loggers]
+        if not self._listeners:
+            return
+        message = None if self.is_closing() else sse(None, self._update(points, wall))
+        for queue in self._listeners:
+            if queue.full():  # a slow page skips a tick rather than lag behind
+                queue.get_nowait()
+            queue.put_nowait(message)
 
     async def listen(self) -> AsyncGenerator[bytes, None]:
         """One page's event stream: `init`, then an update every tick until it leaves."""
