@@ -303,7 +303,8 @@ class MPClient(EngineCoreClient):
     @property
     def stalled_engines(self) -> dict[int, str]:
         """Live engines whose last heartbeat says stalled, or whose heartbeats stopped for
-        longer than the stall timeout (a frozen process): rank -> why."""
+        longer than the stall timeout (a frozen process; only engines that sent one): rank
+        -> why."""
         timeout = self._stall_timeout_s
         if timeout <= 0 or self._dead_error is not None:
             return {}
@@ -313,8 +314,10 @@ class MPClient(EngineCoreClient):
             if rank in self._dead_engines:
                 continue
             health = self._engine_health.get(rank)
+            if health is None:
+                continue  # no heartbeat yet (an engine core without a watchdog sends none)
             silent_for = now - self._last_heard[rank]
-            if health is not None and health.stalled_for_s > 0:
+            if health.stalled_for_s > 0:
                 stalled[rank] = health.reason
             elif silent_for > timeout + heartbeat_interval_s(timeout):
                 stalled[rank] = (

@@ -136,11 +136,12 @@ def _client_state(num_engines: int = 2) -> AsyncMPClient:
 
 def test_client_counts_a_silent_engine_as_stalled():
     client = _client_state()
-    assert client.stalled_engines == {}
+    client._last_heard[1] -= 60
+    assert client.stalled_engines == {}, "an engine that never sent a heartbeat sends none"
     client._engine_health[0] = EngineHealth(stalled_for_s=3.0, reason="engine 0 stalled: y")
     assert client.stalled_engines == {0: "engine 0 stalled: y"}
     client._engine_health[0] = EngineHealth()
-    client._last_heard[1] -= 60  # no heartbeat for a minute: a frozen process
+    client._engine_health[1] = EngineHealth()  # its last heartbeat, a minute ago: frozen
     stalled = client.stalled_engines
     assert list(stalled) == [1] and "no heartbeat" in stalled[1]
     client._dead_engines[1] = "gone"  # a dead engine is dead, not stalled
