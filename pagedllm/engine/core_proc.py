@@ -280,6 +280,8 @@ class EngineCoreProc:
         if not enabled:
             self._snapshot_clients.discard(client)
             return True
+        if not self._snapshot_clients:
+            self.engine_core.step_times.take()  # the step split starts now, not at start-up
         self._snapshot_clients.add(client)
         self._send_snapshot({client})
         return True
