@@ -1,7 +1,7 @@
 """`/health` tells the truth: a live server whose engine is wedged on purpose (the test-only
 PAGEDLLM_TEST_BLOCK_STEP_FILE hook) turns 503 with the reason once no step finished for
 `--stall-timeout-s`, says so in `vllm:engine_stalled` and in its log, and recovers when the
-step is released; `/ready` follows. `engine_health`'s data-parallel verdicts and the front
+step is released; `/ready` follows, and is 503 "starting" while the engine loads. `engine_health`'s data-parallel verdicts and the front
 end's missing-heartbeat rule are checked without processes."""
 
 from __future__ import annotations
@@ -87,6 +87,49 @@ def test_wedged_engine_turns_health_503_and_recovers(tiny_llama_dir, tmp_path, m
     # The log says what was in flight, once, and that it recovered.
     assert logs.count("engine 0 stalled: no step finished") == 1, logs
     assert "recovered" in logs
+
+
+class _ProbedServer(RemoteServer):
+    """A RemoteServer whose start-up is watched through `/ready` (what each answer was, in
+    order) and, while it says "starting", through `/health` and `/v1/models` too."""
+
+    def _wait_ready(self, timeout: float) -> None:
+        self.ready_answers: list[tuple[int, dict]] = []
+        self.starting_answers: dict[str, tuple[int, dict]] = {}
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.logs()}")
+            try:
+                r = httpx.get(f"{self.url}/ready", timeout=2)
+            except httpx.HTTPError:  # not listening yet (the interpreter still imports)
+                time.sleep(0.05)
+                continue
+            answer = (r.status_code, r.json())
+            if not self.ready_answers or self.ready_answers[-1] != answer:
+                self.ready_answers.append(answer)
+            if r.status_code == 200:
+                return
+            if not self.starting_answers:
+                for path in ("/health", "/v1/models"):
+                    other = httpx.get(f"{self.url}{path}", timeout=2)
+                    self.starting_answers[path] = (other.status_code, other.json())
+            time.sleep(0.05)
+        raise TimeoutError(f"server not ready after {timeout}s:\n{self.logs()}")
+
+
+@pytest.mark.slow
+def test_ready_is_503_while_the_engine_loads_then_200(tiny_llama_dir):
+    with _ProbedServer(tiny_llama_dir, ARGS) as server:
+        assert server.ready_answers == [
+            (503, {"ready": False, "status": "starting"}),
+            (200, {"ready": True}),
+        ]
+        assert server.starting_answers["/health"] == (503, {"ready": False, "status": "starting"})
+        status, body = server.starting_answers["/v1/models"]
+        assert status == 503 and body["error"]["code"] == 503
+        assert "starting" in body["error"]["message"]
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
 
 
 class _FakeEngine:

@@ -3,7 +3,8 @@
 `build_app(args)` makes the app; its lifespan starts the AsyncLLM (and with it the engine
 process) and shuts it down when uvicorn stops (SIGTERM, Ctrl-C), so no engine process
 outlives the server. `run_server(args)` binds the port first (a port in use fails at once,
-not after the engine has loaded), then runs the app with uvicorn on that socket.
+not after the engine has loaded), then runs the app with uvicorn on that socket; while the
+engine loads, the socket answers 503 "starting" (starting.py, for `/ready` probes).
 
 Every error is OpenAI-shaped (`{"error": {message, type, param, code}}`, errors.py): 400 for
 invalid input and for what limits.py refuses, 401 for a missing or wrong API key on `/v1/*`,
@@ -66,6 +67,7 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedllm.entrypoints.openai.starting import answering_while_starting
 
 logger = logging.getLogger(__name__)
 
@@ -326,11 +328,14 @@ def build_app(
             from pagedllm.engine.arg_utils import EngineArgs
 
             engine_args = EngineArgs.from_cli_args(args)
-            the_engine = AsyncLLM.from_engine_args(
-                engine_args,
-                log_requests=log_requests_enabled(args),
-                client_config=client_config,
-            )
+            # Loaded off the event loop, so the port can answer 503 "starting" meanwhile.
+            async with answering_while_starting(getattr(app.state, "listen_socket", None)):
+                the_engine = await asyncio.to_thread(
+                    AsyncLLM.from_engine_args,
+                    engine_args,
+                    log_requests=log_requests_enabled(args),
+                    client_config=client_config,
+                )
         else:
             the_engine = engine
         watchdog = dashboard = None
@@ -421,6 +426,7 @@ def run_server(
     server = uvicorn.Server(config)
     app.state.request_shutdown = lambda: setattr(server, "should_exit", True)
     app.state.server_should_exit = lambda: server.should_exit
+    app.state.listen_socket = sock
     try:
         server.run(sockets=[sock])
     finally:
