@@ -6,7 +6,7 @@ DEMO    ?= .demo-model
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 
-.PHONY: venv test fuzz generate serve demo-model lint clean
+.PHONY: venv test fuzz generate serve demo-model lint clean chromium
 
 # torch==2.13.0 goes in first (a local CPU wheel here); installing the project afterwards
 # then finds torch satisfied and never pulls a CUDA build. The optional Ray extra is installed
@@ -15,13 +15,26 @@ $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q -e '.[dev,triton,ray,tune]'
+	$(VPY) -m pip install -q -e '.[dev,triton,ray,tune,browser]'
 	$(VPY) -m pagedllm.ops   # compile the native CPU kernels once (cached by source hash)
 	touch $@
 
 venv: $(VENV)/.installed
 
-test: venv demo-model
+# The dashboard's browser test drives Debian's chromium (Playwright cannot download its own
+# browser here): installed with apt-get when missing and running as root, else a warning (the
+# test then skips, saying why).
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get install -y -q chromium >/dev/null 2>&1 || \
+	      { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; } || \
+	      echo "warning: apt-get could not install chromium; the dashboard's browser test will skip"; \
+	  else \
+	    echo "warning: no chromium (as root: apt-get install chromium); the dashboard's browser test will skip"; \
+	  fi; }
+
+test: venv demo-model chromium
 	$(VPY) -m pytest -q -m "not gpu" tests
 
 # A longer schemathesis fuzz of the server's OpenAPI schema than the suite's (examples per

@@ -505,6 +505,9 @@ class EngineConfig:
     kv_transfer_config: KVTransferConfig | None = None
     # Bitwise-identical outputs whatever the batch (layers/batch_invariant.py).
     batch_invariant: bool = False
+    # No finished step for this long while requests wait or run: the engine is stalled
+    # (engine/stall.py); 0 turns the watchdog off.
+    stall_timeout_s: float = 60.0
     # Later features hang their own sub-config here (speculative, structured outputs, kv transfer).
     extra: dict[str, Any] = field(default_factory=dict)
 

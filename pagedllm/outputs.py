@@ -71,6 +71,8 @@ class ModelRunnerOutput:
     beam_candidates: dict[str, BeamCandidates] = field(default_factory=dict)
     # Transfers the KV connector finished (None without a connector).
     kv_connector_output: KVConnectorOutput | None = None
+    # Seconds the runner spent sampling (and drafting) this step: the dashboard's step split.
+    sampling_time_s: float = 0.0
 
 
 EMPTY_MODEL_RUNNER_OUTPUT = ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[])

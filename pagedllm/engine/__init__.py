@@ -90,6 +90,51 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):  # type: ignore[call-a
     spec_decode: dict[str, Any] | None = None
 
 
+class RequestProgress(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
+    """One request in an `EngineSnapshot`: where it stands in the engine core."""
+
+    request_id: str
+    status: str  # RequestStatus name: WAITING, RUNNING, PREEMPTED, WAITING_FOR_FSM, ...
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    num_output_tokens: int
+    arrival_time: float  # front end's wall clock
+    num_preemptions: int
+
+
+class EngineSnapshot(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+    """What only the engine core knows, for the dashboard (engine/snapshot.py builds it, at
+    most about once a second and only for front ends that asked for it).
+
+    `block_states`: one byte per KV block (or per group of `blocks_per_cell` blocks for a big
+    cache, the busiest state of the group): 0 free, 1 in use, 2 cached and evictable (free,
+    but still holding a prefix a later request can hit). `step_times`: mean seconds per step
+    since the last snapshot for scheduling, model, sampling and output processing, over
+    `num_steps` steps."""
+
+    timestamp: float  # wall clock
+    num_blocks: int
+    block_states: bytes
+    blocks_per_cell: int = 1
+    running: list[RequestProgress] = []
+    waiting: list[RequestProgress] = []
+    num_running: int = 0  # the lists above are cut to a few dozen entries each
+    num_waiting: int = 0
+    num_preemptions_total: int = 0
+    num_steps: int = 0
+    step_times: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+
+
+class EngineHealth(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+    """The engine's heartbeat (engine/stall.py): sent to every front end about once a second
+    while `--stall-timeout-s` is on. `stalled_for_s` > 0: requests are waiting or running and
+    no step has finished for that long (beyond the timeout); `reason` then says what is in
+    flight."""
+
+    stalled_for_s: float = 0.0
+    reason: str = ""
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
     outputs: list[EngineCoreOutput] = []
     scheduler_stats: SchedulerStats | None = None
@@ -102,6 +147,10 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):  #
     # Set by the front end's client only: requests that failed because their engine died,
     # request id -> error text (an empty dict still says an engine died).
     errored_requests: dict[str, str] | None = None
+    # For the dashboard, only to front ends that asked (see EngineSnapshot).
+    snapshot: EngineSnapshot | None = None
+    # The engine's heartbeat (see EngineHealth); read by the client's reader thread.
+    health: EngineHealth | None = None
 
 
 class EngineCoreRequestType(bytes, enum.Enum):

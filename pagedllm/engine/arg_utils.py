@@ -78,6 +78,7 @@ class EngineArgs:
     disable_log_stats: bool = False
     # Bitwise-identical outputs whatever the batch; also $PAGEDLLM_BATCH_INVARIANT=1.
     batch_invariant: bool = False
+    stall_timeout_s: float = 60.0
     # The old name of kv_cache_memory_bytes, still accepted (see ALIASES).
     kv_cache_memory: dataclasses.InitVar[int | None] = None
 
@@ -211,6 +212,7 @@ class EngineArgs:
             structured_outputs_config=StructuredOutputsConfig(self.reasoning_parser),
             kv_transfer_config=kv_transfer_config,
             batch_invariant=batch_invariant,
+            stall_timeout_s=_check_stall_timeout(self.stall_timeout_s),
             extra=extra,
         )
 
@@ -394,6 +396,9 @@ _SHORT_FLAGS = {
 }
 
 _HELP = {
+    "stall_timeout_s": "Seconds without a finished engine step, while requests wait or run, "
+    "after which the engine counts as stalled (/health answers 503, the stall is logged with "
+    "what was in flight); 0 turns stall detection off.",
     "tokenizer": "Tokenizer directory (default: the model directory).",
     "dtype": "auto, bfloat16, float16 or float32 (auto: bf16 on the CPU).",
     "quantization": "Quantization: int8 (W8A8: int8 weights with a scale per output channel, "
@@ -446,3 +451,9 @@ _HELP = {
         '"kv_connector_extra_config": {"disk_path": "/var/cache/kv"}}\'.'
     ),
 }
+
+
+def _check_stall_timeout(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ValueError(f"stall_timeout_s={value!r} must be a number of seconds >= 0 (0: off)")
+    return float(value)

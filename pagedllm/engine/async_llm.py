@@ -33,7 +33,7 @@ from pagedllm.engine.output_processor import OutputProcessor, RequestOutputColle
 from pagedllm.engine.parallel_sampling import fan_out
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.engine.utils import ClientConfig
-from pagedllm.metrics.loggers import LoggingStatLogger, StatLoggerBase
+from pagedllm.metrics.loggers import EngineSnapshotLogger, LoggingStatLogger, StatLoggerBase
 from pagedllm.metrics.prometheus import PrometheusMetrics
 from pagedllm.metrics.stats import IterationStats
 from pagedllm.outputs import RequestOutput
@@ -121,6 +121,8 @@ class AsyncLLM:
         self.stat_loggers: list[StatLoggerBase] = list(
             {id(lg): lg for loggers in self._engine_loggers for lg in loggers}.values()
         )
+        # Whether outputs are timed for the loggers (TTFT, inter-token latency, ...).
+        self._collect_iteration_stats = log_stats or bool(self.stat_loggers)
         self.stats_interval_s = float(os.environ.get(STATS_INTERVAL_ENV, "10"))
         self._output_handler: asyncio.Task | None = None
         self._stats_task: asyncio.Task | None = None
@@ -162,6 +164,33 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.engine_core.call_utility_async("reset_prefix_cache"))
+
+    @property
+    def stalled_engines(self) -> dict[int, str]:
+        """Live engines that make no progress: rank -> why (engine/stall.py). Updates the
+        `vllm:engine_stalled` gauges."""
+        stalled = self.engine_core.stalled_engines
+        if self.prometheus is not None:
+            for rank in range(self.engine_core.num_engines):
+                self.prometheus.for_engine(rank).engine_stalled.set(1 if rank in stalled else 0)
+        return stalled
+
+    def add_stat_logger(self, stat_logger: StatLoggerBase, engine_index: int | None = None) -> None:
+        """Feed `stat_logger` the stats of engine `engine_index` (None: of every engine) from
+        now on. A logger that also has `record_snapshot` (`EngineSnapshotLogger`) gets the
+        engines' dashboard snapshots once `set_engine_snapshots(True)` asked for them."""
+        ranks = range(len(self._engine_loggers)) if engine_index is None else [engine_index]
+        for rank in ranks:
+            self._engine_loggers[rank].append(stat_logger)
+        if all(lg is not stat_logger for lg in self.stat_loggers):
+            self.stat_loggers.append(stat_logger)
+        self._collect_iteration_stats = True
+
+    async def set_engine_snapshots(self, enabled: bool) -> None:
+        """Ask every engine for a dashboard snapshot about once a second (and one at once),
+        or stop asking."""
+        self._start_background_tasks()  # the output handler takes the snapshots in
+        await self.engine_core.call_utility_async("set_snapshots", enabled)
 
     # --------------------------------------------------------------------------- requests
 
@@ -317,7 +346,13 @@ class AsyncLLM:
                     if self.prometheus is not None:
                         self.prometheus.for_engine(outputs.engine_index).engine_dead.set(1)
                     continue
-                stats = IterationStats() if self.log_stats else None
+                engine_loggers = self._engine_loggers[outputs.engine_index]
+                if outputs.snapshot is not None:  # travels alone (EngineCoreProc)
+                    for stat_logger in engine_loggers:
+                        if isinstance(stat_logger, EngineSnapshotLogger):
+                            stat_logger.record_snapshot(outputs.snapshot)
+                    continue
+                stats = IterationStats() if self._collect_iteration_stats else None
                 batch = outputs.outputs
                 for start in range(0, max(len(batch), 1), _OUTPUT_CHUNK_SIZE):
                     chunk = batch[start : start + _OUTPUT_CHUNK_SIZE]
@@ -328,7 +363,7 @@ class AsyncLLM:
                         await self.engine_core.abort_requests_async(processed.reqs_to_abort)
                     if start + _OUTPUT_CHUNK_SIZE < len(batch):
                         await asyncio.sleep(0)
-                for stat_logger in self._engine_loggers[outputs.engine_index]:
+                for stat_logger in engine_loggers:
                     stat_logger.record(outputs.scheduler_stats, stats)
         except asyncio.CancelledError:
             raise

@@ -21,7 +21,8 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.sched.output import SchedulerOutput
 from pagedllm.core.sched.scheduler import Scheduler
-from pagedllm.engine import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.engine import EngineCoreOutputs, EngineCoreRequest, EngineSnapshot
+from pagedllm.engine.snapshot import BlockMap, StepTimes, make_engine_snapshot
 from pagedllm.executor.abstract import Executor
 from pagedllm.outputs import ModelRunnerOutput
 from pagedllm.structured_output.manager import StructuredOutputManager
@@ -51,6 +52,9 @@ class EngineCore:
         # Pipeline parallel: batches in flight, newest first (see the module docstring).
         self.max_concurrent_batches = self.executor.max_concurrent_batches
         self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()
+        # Where steps spend their time (the dashboard's split; engine/snapshot.py).
+        self.step_times = StepTimes()
+        self.block_map = BlockMap()
         logger.info(
             "EngineCore ready in %.1fs: %d KV blocks of %d tokens (%d tokens)",
             time.monotonic() - t0,
@@ -96,11 +100,17 @@ class EngineCore:
             return self._step_with_batch_queue()
         if not self.scheduler.has_requests():
             return EngineCoreOutputs(outputs=[], scheduler_stats=self.scheduler.make_stats())
+        t0 = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
+        t1 = time.perf_counter()
         model_output = self.executor.execute_model(scheduler_output)
+        t2 = time.perf_counter()
         if scheduler_output.is_empty and self.scheduler.kv_transfer is not None:
             time.sleep(_KV_TRANSFER_POLL_S)
-        return self.scheduler.update_from_output(scheduler_output, model_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, model_output)
+        sampling = getattr(model_output, "sampling_time_s", 0.0)
+        self.step_times.add(t1 - t0, t2 - t1, sampling, time.perf_counter() - t2)
+        return outputs
 
     def _step_with_batch_queue(self) -> EngineCoreOutputs:
         """Submit a new batch while there is room and something to run; otherwise (or when
@@ -120,6 +130,10 @@ class EngineCore:
             return EngineCoreOutputs(outputs=[])
         future, so = queue.pop()
         return self.scheduler.update_from_output(so, future.result())
+
+    def make_snapshot(self) -> EngineSnapshot:
+        """The dashboard's view of this engine now (engine/snapshot.py)."""
+        return make_engine_snapshot(self.scheduler, self.step_times, self.block_map)
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

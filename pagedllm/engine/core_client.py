@@ -35,10 +35,16 @@ import msgspec
 import zmq
 
 from pagedllm.config import EngineConfig, env_flag
-from pagedllm.engine import EngineCoreOutputs, EngineCoreRequest, EngineCoreRequestType
+from pagedllm.engine import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    EngineHealth,
+)
 from pagedllm.engine.core_proc import ENGINE_DEAD_CALL_ID
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.load_balancer import DPLoadBalancer
+from pagedllm.engine.stall import heartbeat_interval_s
 from pagedllm.engine.utils import ClientConfig, EngineLauncher, engine_identity, ready_timeout_s
 
 logger = logging.getLogger(__name__)
@@ -99,6 +105,11 @@ class EngineCoreClient(ABC):
     @property
     def dead_engines(self) -> dict[int, str]:
         """Data-parallel engines that died while the others serve on: rank -> why."""
+        return {}
+
+    @property
+    def stalled_engines(self) -> dict[int, str]:
+        """Live engines that make no progress (engine/stall.py): rank -> why."""
         return {}
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -210,6 +221,11 @@ class MPClient(EngineCoreClient):
         self._stop_on_engine_death = config.parallel_config.data_parallel_stop_on_engine_death
         self._dead_error: EngineDeadError | None = None
         self._dead_engines: dict[int, str] = {}
+        # Stall detection (engine/stall.py): each engine's last heartbeat, and when this
+        # client last heard from it at all.
+        self._stall_timeout_s = config.stall_timeout_s
+        self._engine_health: dict[int, EngineHealth] = {}
+        self._last_heard: dict[int, float] = {}
         # request id -> engine rank, for aborts and for failing a dead engine's requests.
         self._request_engines: dict[str, int] = {}
         self._call_ids = itertools.count(1)
@@ -246,6 +262,8 @@ class MPClient(EngineCoreClient):
             raise
         self.engine_num_blocks = num_blocks
         self.num_engines = len(num_blocks)
+        started = time.monotonic()
+        self._last_heard = {rank: started for rank in range(self.num_engines)}
         self.num_blocks = num_blocks[0]
         res.reader = threading.Thread(
             target=MPClient._read_outputs,
@@ -281,6 +299,32 @@ class MPClient(EngineCoreClient):
     @property
     def dead_engines(self) -> dict[int, str]:
         return dict(self._dead_engines)
+
+    @property
+    def stalled_engines(self) -> dict[int, str]:
+        """Live engines whose last heartbeat says stalled, or whose heartbeats stopped for
+        longer than the stall timeout (a frozen process; only engines that sent one): rank
+        -> why."""
+        timeout = self._stall_timeout_s
+        if timeout <= 0 or self._dead_error is not None:
+            return {}
+        now = time.monotonic()
+        stalled = {}
+        for rank in range(self.num_engines):
+            if rank in self._dead_engines:
+                continue
+            health = self._engine_health.get(rank)
+            if health is None:
+                continue  # no heartbeat yet (an engine core without a watchdog sends none)
+            silent_for = now - self._last_heard[rank]
+            if health.stalled_for_s > 0:
+                stalled[rank] = health.reason
+            elif silent_for > timeout + heartbeat_interval_s(timeout):
+                stalled[rank] = (
+                    f"engine {rank} stalled: no heartbeat for {silent_for:.0f}s "
+                    "(its process may be frozen)"
+                )
+        return stalled
 
     # ----------------------------------------------------------------------------- sending
 
@@ -421,6 +465,10 @@ class MPClient(EngineCoreClient):
             except zmq.Again:
                 return
             outputs = decoder.decode(frame.buffer)
+            self._last_heard[outputs.engine_index] = time.monotonic()
+            if outputs.health is not None:
+                self._engine_health[outputs.engine_index] = outputs.health
+                continue  # heartbeats travel alone
             if outputs.utility_output is not None:
                 self._resolve_utility(outputs.engine_index, outputs.utility_output)
                 if not outputs.outputs and outputs.scheduler_stats is None:

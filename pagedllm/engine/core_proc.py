@@ -45,9 +45,12 @@ from pagedllm.engine import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineCoreRequestType,
+    EngineHealth,
     FinishReason,
     SchedulerStats,
 )
+from pagedllm.engine.snapshot import SNAPSHOT_INTERVAL_S
+from pagedllm.engine.stall import StallWatchdog, StepBlocker, describe_in_flight
 from pagedllm.engine.utils import (
     HANDSHAKE_ADDRESSES,
     HANDSHAKE_FAILED,
@@ -72,6 +75,8 @@ _COORDINATOR = -1
 
 # Utility methods answered by EngineCoreProc itself; everything else goes to the EngineCore.
 _PROC_UTILITIES = ("get_num_blocks",)
+# Utility methods answered by EngineCoreProc that need to know which front end asks.
+_CLIENT_UTILITIES = ("set_snapshots",)
 
 
 def _configure_child_logging(rank: int) -> None:
@@ -182,6 +187,21 @@ class EngineCoreProc:
         # Whether the stats the front end last saw may be stale (see _process_engine_step).
         self._stats_dirty = False
         self._threads: list[threading.Thread] = []
+        # Front ends that asked for dashboard snapshots (engine/snapshot.py), and when the
+        # last one was sent.
+        self._snapshot_clients: set[int] = set()
+        self._last_snapshot = 0.0
+        self._step_blocker = StepBlocker.from_env()
+        self._watchdog: StallWatchdog | None = None
+        if config.stall_timeout_s > 0 and hasattr(self.engine_core, "scheduler"):
+            self._watchdog = StallWatchdog(
+                config.stall_timeout_s,
+                engine_index,
+                has_work=self.engine_core.has_unfinished_requests,
+                describe=lambda: describe_in_flight(self.engine_core.scheduler),
+                send=self._send_health,
+                stop=stop,
+            )
 
     def start(self, handshake: EngineHandshake) -> None:
         """Start the threads and end the handshake with READY. Apart from the constructor,
@@ -189,6 +209,8 @@ class EngineCoreProc:
         self._start_thread(self._process_input_sockets, "EngineCoreInput")
         handshake.ready(self.get_num_blocks())
         self._start_thread(self._process_output_sockets, "EngineCoreOutput")
+        if self._watchdog is not None:
+            self._start_thread(self._watchdog.run, "EngineCoreStallWatchdog")
 
     def _start_thread(self, target: Any, name: str) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)
@@ -208,6 +230,8 @@ class EngineCoreProc:
     def _process_input_queue(self) -> None:
         has_work = self.engine_core.has_unfinished_requests() or self._stats_dirty
         while not has_work and not self._stop.is_set():
+            if self._watchdog is not None:
+                self._watchdog.progress()  # idle is not stalled
             # Idle: sleep until a front end sends something (or shutdown is requested). The
             # timeout lets SIGTERM's handler run: a signal that lands on another thread
             # does not wake a blocked wait.
@@ -225,11 +249,49 @@ class EngineCoreProc:
         had_work = self.engine_core.has_unfinished_requests()
         if not had_work and not self._stats_dirty:
             return
+        if had_work:
+            self._step_blocker.wait(self._stop)
         outputs = self.engine_core.step()
+        if self._watchdog is not None:
+            self._watchdog.progress()
         self._stats_dirty = had_work
         self._on_scheduler_stats(outputs.scheduler_stats)
         if outputs.outputs or outputs.scheduler_stats is not None:
             self._send_outputs(outputs)
+        if self._snapshot_clients:
+            # At most one a second, and one as soon as the engine goes idle (the last state).
+            now = time.monotonic()
+            if now - self._last_snapshot >= SNAPSHOT_INTERVAL_S or not had_work:
+                self._send_snapshot(self._snapshot_clients)
+
+    def _send_snapshot(self, clients: set[int]) -> None:
+        self._last_snapshot = time.monotonic()
+        snapshot = self.engine_core.make_snapshot()
+        for client in clients:
+            self.output_queue.put(
+                (client, EngineCoreOutputs(snapshot=snapshot, engine_index=self.engine_index))
+            )
+
+    def set_snapshots(self, client: int, enabled: bool) -> bool:
+        """Utility: front end `client` wants dashboard snapshots (or no longer); it gets one
+        at once. False if this engine core cannot make them."""
+        if not hasattr(self.engine_core, "make_snapshot"):
+            return False
+        if not enabled:
+            self._snapshot_clients.discard(client)
+            return True
+        if not self._snapshot_clients:
+            self.engine_core.step_times.take()  # the step split starts now, not at start-up
+        self._snapshot_clients.add(client)
+        self._send_snapshot({client})
+        return True
+
+    def _send_health(self, health: EngineHealth) -> None:
+        """The watchdog's heartbeat (any thread), to every front end."""
+        for client in range(len(self._out_sockets)):
+            self.output_queue.put(
+                (client, EngineCoreOutputs(health=health, engine_index=self.engine_index))
+            )
 
     def _on_scheduler_stats(self, stats: SchedulerStats | None) -> None:
         """Hook for DPEngineCoreProc (queue lengths for the coordinator)."""
@@ -286,6 +348,8 @@ class EngineCoreProc:
             self.engine_core.abort_requests(list(message))
         elif request_type == EngineCoreRequestType.UTILITY:
             call_id, method, args = message
+            if method in _CLIENT_UTILITIES:
+                args = [client, *(args or ())]
             reply = self._call_utility(call_id, method, args)
             self.output_queue.put(
                 (client, EngineCoreOutputs(utility_output=reply, engine_index=self.engine_index))
@@ -310,7 +374,7 @@ class EngineCoreProc:
 
     def _call_utility(self, call_id: int, method: str, args: Any) -> tuple[int, Any, str | None]:
         try:
-            if method in _PROC_UTILITIES:
+            if method in _PROC_UTILITIES or method in _CLIENT_UTILITIES:
                 fn = getattr(self, method)
             elif method.startswith("_") or not callable(getattr(self.engine_core, method, None)):
                 raise AttributeError(f"EngineCore has no utility method {method!r}")

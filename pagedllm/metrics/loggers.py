@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
-from pagedllm.engine import SchedulerStats
+from pagedllm.engine import EngineSnapshot, SchedulerStats
 from pagedllm.metrics.stats import IterationStats
 from pagedllm.spec_decode.metrics import SpecDecodingLogging
 
@@ -25,6 +25,14 @@ class StatLoggerBase(Protocol):
     ) -> None: ...
 
     def log(self) -> None: ...
+
+
+@runtime_checkable
+class EngineSnapshotLogger(Protocol):
+    """A stat logger that also takes the engine core's dashboard snapshots
+    (`AsyncLLM.set_engine_snapshots`)."""
+
+    def record_snapshot(self, snapshot: EngineSnapshot) -> None: ...
 
 
 class PrefixCacheRate:

@@ -12,9 +12,10 @@ in one process (tests) do not collide. Every series carries the labels `model_na
 served model name) and `engine` (the engine index: the data-parallel rank). `PrometheusMetrics`
 is a front end's `/metrics`: one logger per engine, rendered as one exposition.
 
-pagedllm's one addition to vLLM's series: `vllm:engine_dead{model_name,engine}` (a gauge, 1
+pagedllm's two additions to vLLM's series: `vllm:engine_dead{model_name,engine}` (a gauge, 1
 once that data-parallel engine has died while the others serve on; vLLM stops the whole server
-instead, so it has no such series).
+instead, so it has no such series) and `vllm:engine_stalled{model_name,engine}` (a gauge, 1
+while that engine is stalled, engine/stall.py; set when `/metrics` or `/health` is read).
 
 Several API server processes (`--api-server-count`) share the metrics through
 prometheus_client's multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`, set by the process that
@@ -171,6 +172,12 @@ class PrometheusStatLogger:
         # pagedllm's addition (module docstring): 1 once this data-parallel engine died.
         self.engine_dead = gauge("engine_dead", "1 if this data-parallel engine has died.")
         self.engine_dead.set(0)
+        self.engine_stalled = gauge(
+            "engine_stalled",
+            "1 while this engine is stalled: requests wait or run and no step finished for "
+            "longer than --stall-timeout-s.",
+        )
+        self.engine_stalled.set(0)
         self.spec_decoding = SpecDecodingProm(self.registry, labels, values)
 
     def _factories(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -268,6 +269,7 @@ class ModelRunner:
 
         # A request samples when this step's tokens reach the end of its known tokens; one with
         # draft tokens verifies them and may emit up to k + 1 (see _sample_tokens).
+        sampling_start = time.perf_counter()
         sampled, logprobs, beam_candidates = self._sample_tokens(so, step, hidden)
         prompt_logprobs = self._prompt_logprobs(step, hidden)
         if not self.is_driver:
@@ -283,6 +285,7 @@ class ModelRunner:
             prompt_logprobs_dict=prompt_logprobs,
             spec_token_ids=spec_token_ids,
             beam_candidates=beam_candidates,
+            sampling_time_s=time.perf_counter() - sampling_start,
         )
 
     def _copy_blocks(self, so: SchedulerOutput) -> None:

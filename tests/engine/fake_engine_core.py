@@ -41,6 +41,7 @@ def fake_config(parallel: dict | None = None, **kwargs) -> SimpleNamespace:
         parallel_config=ParallelConfig(**(parallel or {})),
         device_config=DeviceConfig("cpu"),
         kv_transfer_config=None,
+        stall_timeout_s=60.0,  # no heartbeats come: the fake has no scheduler to watch
     )
     defaults.update(kwargs)
     return SimpleNamespace(**defaults)

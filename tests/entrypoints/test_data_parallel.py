@@ -150,6 +150,26 @@ def test_two_api_servers_answer_and_count_once(deployment, reference):
     assert _metric(url, "vllm:engine_dead") == {"0": 0.0, "1": 0.0}
 
 
+def test_dashboard_and_health_cover_each_engine(deployment):
+    """Whichever API server answers, its dashboard gets both engines' snapshots (the headless
+    node's too), and both engines' heartbeats keep them healthy."""
+    url = deployment.head.url
+    with httpx.stream("GET", f"{url}/dashboard/events", timeout=60) as r:
+        assert r.status_code == 200
+        lines = (line for line in r.iter_lines() if line.startswith("data: "))
+        init = json.loads(next(lines)[6:])
+        assert init["config"]["data_parallel_size"] == 2 and len(init["history"]) == 2
+        for _ in range(15):
+            engines = json.loads(next(lines)[6:])["engines"]
+            if all("blocks" in e for e in engines):
+                break
+        assert [e["health"] for e in engines] == ["ok", "ok"]
+        assert all("blocks" in e and e["num_blocks"] > 0 for e in engines), engines
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/ready").json() == {"ready": True}
+    assert _metric(url, "vllm:engine_stalled") == {"0": 0.0, "1": 0.0}
+
+
 def _engine_pid(server: RemoteServer, rank: int) -> int:
     found = re.search(rf"EngineCore_DP{rank} pid=(\d+)", Path(server.log.name).read_text())
     assert found, server.logs()

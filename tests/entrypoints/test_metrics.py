@@ -61,7 +61,7 @@ VLLM_SERIES = {
     "vllm:spec_decode_num_accepted_tokens_per_pos": ("counter", ("position",)),
 }
 # pagedllm's additions, in vLLM's style (metrics/prometheus.py says why).
-PAGEDLLM_SERIES = {"vllm:engine_dead": ("gauge", ())}
+PAGEDLLM_SERIES = {"vllm:engine_dead": ("gauge", ()), "vllm:engine_stalled": ("gauge", ())}
 VLLM_TTFT_BUCKETS = [
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
     10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,

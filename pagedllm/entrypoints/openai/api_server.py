@@ -3,7 +3,8 @@
 `build_app(args)` makes the app; its lifespan starts the AsyncLLM (and with it the engine
 process) and shuts it down when uvicorn stops (SIGTERM, Ctrl-C), so no engine process
 outlives the server. `run_server(args)` binds the port first (a port in use fails at once,
-not after the engine has loaded), then runs the app with uvicorn on that socket.
+not after the engine has loaded), then runs the app with uvicorn on that socket; while the
+engine loads, the socket answers 503 "starting" (starting.py, for `/ready` probes).
 
 Every error is OpenAI-shaped (`{"error": {message, type, param, code}}`, errors.py): 400 for
 invalid input and for what limits.py refuses, 401 for a missing or wrong API key on `/v1/*`,
@@ -34,6 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.utils import ClientConfig
+from pagedllm.entrypoints.dashboard import Dashboard, register_dashboard_routes
 from pagedllm.entrypoints.openai.cli_args import (
     expand_config_file,
     load_chat_template,
@@ -65,6 +67,7 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedllm.entrypoints.openai.starting import answering_while_starting
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +137,31 @@ def _respond(result: Any) -> Response:
     return JSONResponse(result.model_dump(exclude_unset=False))
 
 
+def engine_health(engine: AsyncLLM) -> tuple[int, dict[str, Any] | None]:
+    """(status, body) of `/health` for a live engine: 503 with the reason when every live
+    engine is stalled (engine/stall.py); 200 "degraded" naming the dead and stalled
+    data-parallel engines while others serve on; 200 with no body when all is well."""
+    dead, stalled = engine.dead_engines, engine.stalled_engines
+    live = engine.engine_core.num_engines - len(dead)
+    if stalled and len(stalled) >= live:
+        reason = "; ".join(stalled[rank] for rank in sorted(stalled))
+        body = OpenAIError(reason, HTTPStatus.SERVICE_UNAVAILABLE).to_dict()
+        body |= {"status": "stalled", "stalled_engines": _by_rank(stalled)}
+        return HTTPStatus.SERVICE_UNAVAILABLE, body
+    if not dead and not stalled:
+        return HTTPStatus.OK, None
+    body = {"status": "degraded"}
+    if dead:
+        body["dead_engines"] = _by_rank(dead)
+    if stalled:
+        body["stalled_engines"] = _by_rank(stalled)
+    return HTTPStatus.OK, body
+
+
+def _by_rank(reasons: dict[int, str]) -> dict[str, str]:
+    return {str(rank): reason for rank, reason in sorted(reasons.items())}
+
+
 def _register_routes(app: FastAPI) -> None:
     @app.get("/health")
     async def health(raw_request: Request) -> Response:
@@ -142,11 +170,26 @@ def _register_routes(app: FastAPI) -> None:
             await engine.check_health()
         except EngineDeadError as e:
             return error_response(OpenAIError.from_exception(e))
-        dead = engine.dead_engines
-        if dead:  # some data-parallel engines died; the others serve on
-            detail = {str(rank): reason for rank, reason in sorted(dead.items())}
-            return JSONResponse({"status": "degraded", "dead_engines": detail})
-        return Response(status_code=200)
+        status, body = engine_health(engine)
+        if body is None:
+            return Response(status_code=200)
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/ready")
+    async def ready(raw_request: Request) -> Response:
+        """200 once the engine can take requests; 503 while it cannot (dead or stalled)."""
+        engine = raw_request.app.state.engine
+        status, body = (
+            (
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                OpenAIError.from_exception(engine.dead_error).to_dict(),
+            )
+            if engine.errored
+            else engine_health(engine)
+        )
+        if status != HTTPStatus.OK:
+            return JSONResponse({"ready": False, **(body or {})}, status_code=status)
+        return JSONResponse({"ready": True})
 
     @app.get("/version")
     async def version() -> JSONResponse:
@@ -156,7 +199,10 @@ def _register_routes(app: FastAPI) -> None:
 
     @app.get("/metrics")
     async def metrics(raw_request: Request) -> Response:
-        prometheus = raw_request.app.state.engine.prometheus
+        engine = raw_request.app.state.engine
+        if not engine.errored:
+            engine.stalled_engines  # noqa: B018 (sets the vllm:engine_stalled gauges)
+        prometheus = engine.prometheus
         body = prometheus.render() if prometheus is not None else b""
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
@@ -282,22 +328,31 @@ def build_app(
             from pagedllm.engine.arg_utils import EngineArgs
 
             engine_args = EngineArgs.from_cli_args(args)
-            the_engine = AsyncLLM.from_engine_args(
-                engine_args,
-                log_requests=log_requests_enabled(args),
-                client_config=client_config,
-            )
+            # Loaded off the event loop, so the port can answer 503 "starting" meanwhile.
+            async with answering_while_starting(getattr(app.state, "listen_socket", None)):
+                the_engine = await asyncio.to_thread(
+                    AsyncLLM.from_engine_args,
+                    engine_args,
+                    log_requests=log_requests_enabled(args),
+                    client_config=client_config,
+                )
         else:
             the_engine = engine
-        watchdog = None
+        watchdog = dashboard = None
         try:
             init_app_state(app, the_engine, args)
+            if not getattr(args, "disable_dashboard", False):
+                closing = getattr(app.state, "server_should_exit", lambda: False)
+                dashboard = app.state.dashboard = Dashboard(the_engine, is_closing=closing)
+                dashboard.start()
             keep_alive = bool(getattr(args, "keep_alive_on_engine_death", False))
             watchdog = asyncio.create_task(_engine_watchdog(app, the_engine, keep_alive))
             yield
         finally:
             if watchdog is not None:
                 watchdog.cancel()
+            if dashboard is not None:
+                dashboard.stop()
             if owned:
                 logger.info("Shutting down the engine")
                 the_engine.shutdown()
@@ -305,6 +360,10 @@ def build_app(
     app = FastAPI(lifespan=lifespan, root_path=getattr(args, "root_path", None) or "")
     app.router.route_class = CheckedJSONRoute
     _register_routes(app)
+    if not getattr(args, "disable_dashboard", False):
+        register_dashboard_routes(
+            app, getattr(args, "api_key", None), bool(getattr(args, "ssl_certfile", None))
+        )
     register_error_handlers(app)
     if getattr(args, "api_key", None):
         app.add_middleware(APIKeyMiddleware, api_key=args.api_key)
@@ -366,6 +425,8 @@ def run_server(
     logger.info("Starting the OpenAI-compatible server on %s:%d", config.host, args.port)
     server = uvicorn.Server(config)
     app.state.request_shutdown = lambda: setattr(server, "should_exit", True)
+    app.state.server_should_exit = lambda: server.should_exit
+    app.state.listen_socket = sock
     try:
         server.run(sockets=[sock])
     finally:

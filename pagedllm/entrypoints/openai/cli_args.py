@@ -143,6 +143,12 @@ def add_limit_args(group: argparse._ArgumentGroup) -> None:
         f"{DEFAULT_MAX_N_SEQUENCES}, OpenAI's limit).",
     )
     group.add_argument(
+        "--disable-dashboard",
+        action="store_true",
+        help="Do not serve the live dashboard at /dashboard (it is behind --api-key when "
+        "one is set).",
+    )
+    group.add_argument(
         "--keep-alive-on-engine-death",
         action="store_true",
         default=env_flag(KEEP_ALIVE_ENV, False),
