@@ -7,6 +7,8 @@ re-read `config.json`.
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import sys
 import uuid
@@ -14,6 +16,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -27,9 +31,21 @@ _DTYPES = {
 }
 
 
+@functools.cache
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively or close to it (oneDNN's bf16 path: AVX-512,
+    AVX-NE-CONVERT or AMX). On an AVX2-only CPU PyTorch emulates bf16 GEMMs: 2-6x slower
+    than fp32 (BENCHMARKS.md)."""
+    return torch.backends.mkldnn.is_available() and bool(
+        torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
 def resolve_dtype(dtype: str | torch.dtype, hf_dtype: Any, device: str) -> torch.dtype:
     """`auto` keeps the checkpoint's 16-bit dtype; fp32 checkpoints run in bf16 on the CPU
-    (its bf16 GEMMs are several times faster) and in the checkpoint dtype elsewhere."""
+    (its bf16 GEMMs are several times faster) and in the checkpoint dtype elsewhere. A CPU
+    without fast bf16 (`cpu_has_fast_bf16`) runs every checkpoint in fp32: its 16-bit GEMMs
+    are emulated, several times slower than fp32's. An explicit dtype is always honoured."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":
@@ -39,6 +55,9 @@ def resolve_dtype(dtype: str | torch.dtype, hf_dtype: Any, device: str) -> torch
                 f"'auto', 'bfloat16', 'float16', 'float32'"
             )
         return _DTYPES[dtype]
+    if device == "cpu" and not cpu_has_fast_bf16():
+        logger.info("dtype=auto: float32, this CPU has no fast bfloat16 (AVX2 only)")
+        return torch.float32
     if isinstance(hf_dtype, str):
         hf_dtype = _DTYPES.get(hf_dtype.removeprefix("torch."), None)
     if hf_dtype in (torch.bfloat16, torch.float16):

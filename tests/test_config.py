@@ -106,3 +106,20 @@ def test_features_that_need_one_rank_are_refused(tiny_llama_dir, kwargs, layout,
         args.create_engine_config()
     args.tensor_parallel_size = args.pipeline_parallel_size = 1
     assert args.create_engine_config().parallel_config.world_size == 1  # alone it is fine
+
+
+def test_auto_dtype_follows_the_cpu(monkeypatch):
+    """`auto` on the CPU: bf16 where it is fast (a bf16 checkpoint keeps it, an fp32 one gets
+    it), fp32 for every checkpoint where bf16 is emulated; an explicit dtype always wins."""
+    import torch
+
+    from pagedllm import config
+
+    monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: True)
+    assert config.resolve_dtype("auto", "bfloat16", "cpu") == torch.bfloat16
+    assert config.resolve_dtype("auto", torch.float32, "cpu") == torch.bfloat16
+    monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: False)
+    assert config.resolve_dtype("auto", "bfloat16", "cpu") == torch.float32
+    assert config.resolve_dtype("auto", torch.float16, "cpu") == torch.float32
+    assert config.resolve_dtype("bfloat16", "bfloat16", "cpu") == torch.bfloat16
+    assert config.resolve_dtype("auto", "bfloat16", "cuda") == torch.bfloat16

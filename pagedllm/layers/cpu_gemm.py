@@ -27,7 +27,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from pagedllm.config import env_flag
+from pagedllm.config import cpu_has_fast_bf16, env_flag
 from pagedllm.layers.batch_invariant import linear_by_rows
 from pagedllm.layers.quantization import int8_linear
 from pagedllm.ops import cpu_ops
@@ -50,11 +50,7 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 @functools.cache
 def _onednn_bf16_packing() -> bool:
-    return (
-        torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
+    return cpu_has_fast_bf16() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
 @functools.cache

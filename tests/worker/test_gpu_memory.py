@@ -151,6 +151,9 @@ def _sizing_rank(rank: int, model_dir: str, layout: dict, init_file: str, out_fi
     try:
         num_blocks = worker.determine_num_kv_blocks()
         torch.save((seen, num_blocks, worker.model_runner.kv_cache_bytes_per_block()), out_file)
+        # Leave together: a stage that closed its connections while the other still read
+        # the profile's activations failed it ("Connection closed by peer").
+        torch.distributed.barrier()
     finally:
         worker.shutdown()
 
