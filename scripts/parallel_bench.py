@@ -35,7 +35,7 @@ def _prompts(n: int, length: int, seed: int) -> list[dict]:
 
 
 def _measure(
-    model: str, kwargs: dict, threads: str | None, decode_runs: int
+    model: str, kwargs: dict, threads: str | None, decode_runs: int, dtype: str
 ) -> tuple[list[float], float]:
     """(ms per output token of each batch-1 run, 64 x 128/128 generated tokens/s)."""
     from pagedllm import LLM, SamplingParams
@@ -43,7 +43,7 @@ def _measure(
     if threads is not None:  # the engine process is spawned with this environment
         os.environ["OMP_NUM_THREADS"] = threads
     try:
-        llm = LLM(model=model, dtype="bfloat16", kv_cache_memory_bytes=512 << 20, **kwargs)
+        llm = LLM(model=model, dtype=dtype, kv_cache_memory_bytes=512 << 20, **kwargs)
     finally:
         os.environ.pop("OMP_NUM_THREADS", None)
     try:
@@ -67,12 +67,15 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--decode-runs", type=int, default=3)
+    parser.add_argument("--dtype", default="auto", help="bf16 where the CPU has it, else fp32")
     args = parser.parse_args()
     decode: dict[str, list[float]] = {name: [] for name in ENGINES}
     batch: dict[str, list[float]] = {name: [] for name in ENGINES}
     for r in range(args.rounds):
         for name, (kwargs, threads) in ENGINES.items():
-            per_token, tokens_s = _measure(args.model, kwargs, threads, args.decode_runs)
+            per_token, tokens_s = _measure(
+                args.model, kwargs, threads, args.decode_runs, args.dtype
+            )
             decode[name] += per_token
             batch[name].append(tokens_s)
             print(f"round {r + 1} {name}: batch-1 {[round(t, 1) for t in per_token]} ms/token, "
