@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-import httpx
+from pagedllm.benchmarks import server_process
 
 P2P = {"kv_connector": "P2pZmqConnector"}
 
@@ -41,15 +41,7 @@ def launch(cmd: list[str], cores: str | None, threads: int) -> subprocess.Popen:
 
 
 def wait_healthy(url: str) -> None:
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} did not become healthy")
+    server_process.wait_healthy(url, None, 300)
 
 
 def serve(model: str, cores: str | None, threads: int, kv_role: str | None):

@@ -21,7 +21,6 @@ import json
 import os
 import random
 import resource
-import signal
 import socket
 import subprocess
 import sys
@@ -30,6 +29,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from pagedllm.benchmarks.server_process import stop_process
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_ID = "soak-shared-id"  # reused by some good requests, concurrently
@@ -113,13 +114,7 @@ class Server:
         }
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         return self.proc.returncode
 
 

@@ -43,28 +43,11 @@ class ServerProcess:
         )
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
-        timeout_s = self.ready_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with code {self.proc.returncode}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise TimeoutError(f"the server was not ready within {timeout_s:.0f}s")
+        wait_healthy(self.url, self.proc, self.ready_timeout_s if timeout_s is None else timeout_s)
 
     def stop(self) -> None:
         """Idempotent."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
     def __enter__(self) -> ServerProcess:
         try:
@@ -76,3 +59,30 @@ class ServerProcess:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None, timeout_s: float) -> None:
+    """Poll `url`/health until it answers 200; RuntimeError if `proc` exits first,
+    TimeoutError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"the server was not ready within {timeout_s:.0f}s")
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:
+    """SIGTERM, then SIGKILL after `timeout_s`; idempotent."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

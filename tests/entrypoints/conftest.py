@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
@@ -88,17 +87,12 @@ class RemoteServer:
             raise
 
     def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.logs()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise TimeoutError(f"server not ready after {timeout}s:\n{self.logs()}")
+        from pagedllm.benchmarks.server_process import wait_healthy
+
+        try:
+            wait_healthy(self.url, self.proc, timeout)
+        except (RuntimeError, TimeoutError) as e:
+            raise type(e)(f"{e}:\n{self.logs()}") from None
 
     def logs(self) -> str:
         return Path(self.log.name).read_text(errors="replace")[-6000:]
