@@ -1,7 +1,7 @@
 """Paged attention on the CPU: decodes read K/V straight from the paged cache (native kernel).
 
 `CpuAttentionBackend` is `TorchAttentionBackend` except for decode requests (query_len 1) of
-bf16 caches: instead of gathering their blocks into a padded buffer and masking, one native
+bf16 and fp32 caches: instead of gathering their blocks into a padded buffer and masking, one native
 call (`torch.ops.pagedllm.paged_decode_attention`, `pagedllm/ops/csrc/attention.h`) walks
 each request's block table, one (request, KV head) pair per work item, its query heads
 sharing every K/V row read. Prefills and short multi-token queries keep the SDPA path.
@@ -39,7 +39,7 @@ class CpuAttentionMetadata(TorchAttentionMetadata):
 
 class CpuAttentionBackend(TorchAttentionBackend):
     """`TorchAttentionBackend` with decodes attended by the native paged kernel; for bf16
-    KV caches (the selector picks it only then), with `ops` = `torch.ops.pagedllm`."""
+    and fp32 KV caches (the selector picks it only then), with `ops` = `torch.ops.pagedllm`."""
 
     name = "cpu"
     metadata_cls = CpuAttentionMetadata

@@ -27,7 +27,7 @@ import torch
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.cpu_backend import CpuAttentionBackend
 from pagedllm.attention.torch_backend import TorchAttentionBackend
-from pagedllm.ops import cpu_ops
+from pagedllm.ops import NATIVE_DTYPES, cpu_ops
 from pagedllm.ops.triton import HAS_TRITON, triton_usable
 
 logger = logging.getLogger(__name__)
@@ -64,16 +64,16 @@ def get_attn_backend(
                 return _triton_backend()
             logger.warning("Triton is not installed: CUDA attention falls back to TORCH_SDPA")
             return TorchAttentionBackend()
-        ops = cpu_ops() if kv_cache_dtype == torch.bfloat16 else None
+        ops = cpu_ops() if kv_cache_dtype in NATIVE_DTYPES else None
         return CpuAttentionBackend(ops) if ops is not None else TorchAttentionBackend()
     name = check_attention_backend_name(name)
     if name == "TORCH_SDPA":
         return TorchAttentionBackend()
     if name == "CPU_ATTN":
-        ops = cpu_ops() if device_type == "cpu" and kv_cache_dtype == torch.bfloat16 else None
+        ops = cpu_ops() if device_type == "cpu" and kv_cache_dtype in NATIVE_DTYPES else None
         if ops is None:
             raise ValueError(
-                "attention_backend='CPU_ATTN' needs the CPU, a bfloat16 KV cache and "
+                "attention_backend='CPU_ATTN' needs the CPU, a bfloat16 or float32 KV cache and "
                 "pagedllm's native ops (pagedllm.ops; PAGEDLLM_CPU_KERNELS not 0)"
             )
         return CpuAttentionBackend(ops)

@@ -6,17 +6,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.ops import cpu_ops
+from pagedllm.ops import row_ops
 
 
 class SiluAndMul(nn.Module):
     """SwiGLU's gate: x [..., 2 * d] holding [gate | up] -> silu(gate) * up [..., d] (one
-    native pass for bf16 rows on the CPU, same roundings)."""
+    native pass for bf16 or fp32 rows on the CPU, same roundings; fp32's exp differs from
+    PyTorch's in the last bits)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_cpu:
-            ops = cpu_ops()
-            if ops is not None:
-                return ops.silu_and_mul(x)
+        ops = row_ops(x)
+        if ops is not None:
+            return ops.silu_and_mul(x)
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]

@@ -9,15 +9,22 @@ Three layouts, chosen per weight by `pack_linear_weight_` (called by the layers'
   batches (oneDNN reaches ~40-60% of it at M = 1) and matches oneDNN's throughput for large
   ones. int8 weights (`weight_scale` set, `layers/quantization.py`) go to the W8A8 kernel on
   any CPU with AVX512-VNNI (`weight_colsum` beside them).
-- **oneDNN prepacked** (`weight_packed`): other x86 CPUs, AMX ones included (oneDNN picks AMX
-  for large batches by itself). `F.linear` on a row-major bf16 weight would reorder it on
-  every call; reordering once is 1.5-2.5x faster at decode sizes and bit-identical.
-- **Plain** `F.linear`: fp32 weights (kept exactly as transformers computes them, for the
-  greedy oracle), and everything when `PAGEDLLM_CPU_PACK_WEIGHTS=0`. int8 weights without
-  the native kernel take `int8_linear`, the PyTorch reference (the same numbers).
+- **oneDNN prepacked** (`weight_packed`): bf16 weights on other x86 CPUs with oneDNN's bf16
+  path, AMX ones included (oneDNN picks AMX for large batches by itself), and fp32 weights
+  on every CPU with oneDNN (as vLLM's CPU backend runs them). `F.linear` on a row-major bf16
+  weight would reorder it on every call; reordering once is 1.5-2.5x faster at decode sizes
+  and bit-identical. For fp32, `F.linear` takes MKL's GEMM: oneDNN on the packed weight is
+  1.8x faster at M = 1 and 1.8-4x at M = 4-64 (BENCHMARKS.md, "fp32 on an AVX2 CPU"), and
+  differs from it in the order of the fp32 sums (the last bits; greedy tokens still match
+  transformers' fp32 ones, as the oracle tests check).
+- **Plain** `F.linear`: everything when `PAGEDLLM_CPU_PACK_WEIGHTS=0` (then fp32 weights
+  compute exactly as transformers does) or without oneDNN. int8 weights without the native
+  kernel take `int8_linear`, the PyTorch reference (the same numbers).
 
 A packed copy replaces the plain weight (whose storage is freed), so packing costs no memory;
-only `packed_linear` reads it. `PAGEDLLM_CPU_KERNELS=0` disables the panels (pure PyTorch).
+only `packed_linear` reads it. The exception is a tied LM head, which is the embedding table
+as well: it keeps its plain weight for the lookups and gets a packed copy for the logits
+(`keep_plain`). `PAGEDLLM_CPU_KERNELS=0` disables the panels (pure PyTorch).
 """
 
 from __future__ import annotations
@@ -37,20 +44,21 @@ INT8_MAX_K = 65536  # gemm_int8.h's kMaxInt8K: its int32 sums are exact up to he
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    """Whether oneDNN prepacking applies to this weight (its bf16 path needs AVX-512 or
-    AVX-NE-CONVERT; on an AVX2-only CPU the weight stays plain for `F.linear`)."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and weight.dim() == 2
-        and env_flag("PAGEDLLM_CPU_PACK_WEIGHTS", True)
-        and _onednn_bf16_packing()
-    )
+    """Whether oneDNN prepacking applies to this weight: fp32 wherever PyTorch has oneDNN;
+    bf16 where oneDNN has a bf16 path (AVX-512 or AVX-NE-CONVERT; on an AVX2-only CPU a bf16
+    weight stays plain for `F.linear`)."""
+    if weight.device.type != "cpu" or weight.dim() != 2:
+        return False
+    if not env_flag("PAGEDLLM_CPU_PACK_WEIGHTS", True) or not _onednn_packing():
+        return False
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and cpu_has_fast_bf16())
 
 
 @functools.cache
-def _onednn_bf16_packing() -> bool:
-    return cpu_has_fast_bf16() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+def _onednn_packing() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(
+        torch.ops.mkldnn, "_reorder_linear_weight"
+    )
 
 
 @functools.cache
@@ -104,9 +112,10 @@ def from_panels(panels: torch.Tensor, n: int, k: int | None = None) -> torch.Ten
     return full[:n] if k is None else full[:n, :k]
 
 
-def pack_linear_weight_(module: torch.nn.Module) -> None:
+def pack_linear_weight_(module: torch.nn.Module, keep_plain: bool = False) -> None:
     """Lay out `module.weight` ([out, in]) for its CPU kernel (see the module docstring) and
-    free the plain copy's storage. No-op where no packing applies."""
+    free the plain copy's storage, unless `keep_plain` (a tied LM head: the embedding looks
+    rows up in it). No-op where no packing applies."""
     weight = module.weight.data
     bf16_activations = getattr(module, "activation_dtype", weight.dtype) == torch.bfloat16
     if can_use_panels(weight) and bf16_activations:  # the kernels multiply bf16 x
@@ -116,12 +125,13 @@ def pack_linear_weight_(module: torch.nn.Module) -> None:
             module.weight_colsum = F.pad(
                 colsum, (0, module.weight_panels.shape[0] * PANEL - len(colsum))
             )
-    elif weight.dtype == torch.bfloat16 and can_pack(weight):
+    elif weight.dtype != torch.int8 and can_pack(weight):
         module.weight_packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
     else:
         return
     module.weight_out_features = weight.shape[0]
-    module.weight.data = torch.empty(0, dtype=weight.dtype)
+    if not keep_plain:
+        module.weight.data = torch.empty(0, dtype=weight.dtype)
 
 
 def packed_linear(

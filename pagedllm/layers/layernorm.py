@@ -7,7 +7,7 @@ from torch import nn
 
 from pagedllm.layers.batch_invariant import mean_of_squares
 from pagedllm.layers.linear import default_weight_loader, set_weight_loader
-from pagedllm.ops import cpu_ops
+from pagedllm.ops import row_ops
 
 
 class RMSNorm(nn.Module):
@@ -16,7 +16,8 @@ class RMSNorm(nn.Module):
 
     `forward(x)` returns the normalized x; `forward(x, residual)` first adds `residual` to x and
     returns `(normalized sum, sum)`: the sum is the next residual stream. bf16 rows on the CPU
-    take the native kernel (one pass, same roundings; the residual is updated in place).
+    take the native kernel (one pass, same roundings; the residual is updated in place); so do
+fp32 rows (the sum of squares in another order: within a few ulps of this code).
     `batch_invariant` (set by `make_batch_invariant_`): the PyTorch path with a sequential
     sum of squares.
     """
@@ -44,8 +45,8 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_cpu and not self.batch_invariant:
-            ops = cpu_ops()
+        if not self.batch_invariant and x.dtype == self.weight.dtype:
+            ops = row_ops(x)
             if ops is not None:
                 if residual is None:
                     return ops.rms_norm(x, self.weight, self.eps)

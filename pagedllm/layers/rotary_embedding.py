@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.ops import cpu_ops
+from pagedllm.ops import row_ops
 
 _DEFAULT_THETA = 10000.0
 
@@ -118,14 +118,14 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; query [T, H * head_size]; key [T, Hkv * head_size] -> same shapes.
-        bf16 rows on the CPU are rotated in place by the native kernel (same roundings)."""
-        if query.dtype == torch.bfloat16 and query.is_cpu and query.dim() == 2:
-            ops = cpu_ops()
-            if ops is not None:
-                ops.rotary_embedding(
-                    positions, query, key, self.cos_sin_cache, self.head_size, self.rotary_dim
-                )
-                return query, key
+        bf16 and fp32 rows on the CPU are rotated in place by the native kernel (same
+        roundings, bit for bit)."""
+        ops = row_ops(query) if key.dtype == query.dtype else None
+        if ops is not None:
+            ops.rotary_embedding(
+                positions, query, key, self.cos_sin_cache, self.head_size, self.rotary_dim
+            )
+            return query, key
         num_tokens = positions.shape[0]
         cos_sin = self.cos_sin_cache.index_select(0, positions)  # [T, rotary_dim]
         # transformers casts cos/sin to the activation dtype before rotating; so do we.

@@ -17,7 +17,13 @@ from pagedllm.layers.linear import set_weight_loader
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding table [V_p, embedding_dim] holding this rank's slice of the vocabulary."""
+    """Embedding table [V_p, embedding_dim] holding this rank's slice of the vocabulary.
+
+    `tied_lm_head` (set by a model whose LM head is this table): after loading, the table
+    keeps its plain rows for the lookups and gets a copy laid out for the logits GEMM.
+    """
+
+    tied_lm_head = False
 
     def __init__(
         self,
@@ -57,6 +63,11 @@ class VocabParallelEmbedding(nn.Module):
         rows = self.vocab_end - self.vocab_start
         param.data[:rows].copy_(loaded_weight[self.vocab_start : self.vocab_end])
         param.data[rows:].zero_()
+
+    def process_weights_after_loading(self) -> None:
+        """Called once by the loader."""
+        if self.tied_lm_head:
+            pack_linear_weight_(self, keep_plain=True)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids [T] -> [T, embedding_dim]

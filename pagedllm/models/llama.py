@@ -306,6 +306,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = PPMissingLayer()
         elif self.tie_word_embeddings and stage.is_first:
             self.lm_head = self.model.embed_tokens
+            self.lm_head.tied_lm_head = True
         else:  # untied, or tied with the embedding on another stage: loaded from its tensor
             self.lm_head = ParallelLMHead(
                 hf_config.vocab_size, hf_config.hidden_size, prefix=_join(prefix, "lm_head")

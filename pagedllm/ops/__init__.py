@@ -7,6 +7,25 @@ caller then keeps its pure-PyTorch code, which stays the reference the kernels a
 against. See `pagedllm/ops/build.py` for where the build lives.
 """
 
+import torch
+
 from pagedllm.ops.build import cpu_ops, kernels_enabled
 
-__all__ = ["cpu_ops", "kernels_enabled"]
+NATIVE_DTYPES = (torch.bfloat16, torch.float32)  # what the CPU kernels take
+
+
+def row_ops(x: torch.Tensor):
+    """The native ops for the elementwise row kernels on `x` (2-D CPU rows of bf16 or fp32),
+    else None: other tensors, no native build, and inside torch.compile (Dynamo cannot trace
+    the kernels; Inductor fuses the PyTorch code instead)."""
+    if (
+        x.is_cpu
+        and x.dim() == 2
+        and x.dtype in NATIVE_DTYPES
+        and not torch.compiler.is_compiling()
+    ):
+        return cpu_ops()
+    return None
+
+
+__all__ = ["NATIVE_DTYPES", "cpu_ops", "kernels_enabled", "row_ops"]

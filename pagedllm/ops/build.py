@@ -31,7 +31,10 @@ CSRC = Path(__file__).with_name("csrc")
 EXT_NAME = "pagedllm_cpu_ops"
 # -fopenmp: ATen's parallel_for is inline OpenMP; the library then links libgomp.so.1, which
 # resolves to the copy PyTorch already loaded (one thread pool for both).
-CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-Wno-unused-function"]
+# -ffp-contract=off: a * b - c * d stays two rounded products and a rounded difference, as
+# PyTorch computes it (GCC would fuse it into an FMA, a different rounding); the kernels'
+# explicit FMA intrinsics are unaffected.
+CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-Wno-unused-function"]
 
 
 def kernels_enabled() -> bool:

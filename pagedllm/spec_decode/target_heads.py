@@ -34,6 +34,7 @@ class TargetHeads(nn.Module):
         self.lm_head = (
             self.model.embed_tokens if self.tied else ParallelLMHead(hf.vocab_size, hf.hidden_size)
         )
+        self.lm_head.tied_lm_head = self.tied
         self.logits_processor = LogitsProcessor(hf.vocab_size)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="native CPU ops not bu
 @pytest.mark.parametrize("scenario", ["decode", "mixed", "spec_decode"])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (4, 1)])
 @pytest.mark.parametrize("pad_rows", [0, 3])
-def test_matches_reference_and_torch_backend(scenario, num_heads, num_kv_heads, pad_rows):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_matches_reference_and_torch_backend(scenario, num_heads, num_kv_heads, pad_rows, dtype):
     def batch():
         return Batch(
             SCENARIOS[scenario],
@@ -26,7 +27,7 @@ def test_matches_reference_and_torch_backend(scenario, num_heads, num_kv_heads, 
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_size=64,
-            dtype=torch.bfloat16,
+            dtype=dtype,
             device="cpu",
             pad_rows=pad_rows,
             seed=num_heads + num_kv_heads,
@@ -37,12 +38,13 @@ def test_matches_reference_and_torch_backend(scenario, num_heads, num_kv_heads, 
     check(fast, out)
     ref = run(slow, TorchAttentionBackend())
     n = fast.num_tokens
-    torch.testing.assert_close(out[:n], ref[:n], atol=2e-2, rtol=2e-2)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out[:n], ref[:n], atol=tol, rtol=tol)
     assert torch.equal(fast.kv_cache, slow.kv_cache)  # the same K/V written
     assert not out[n:].any()  # padding rows zeroed, no NaN leaked
 
 
-def test_selector_picks_it_for_bf16_caches_only():
+def test_selector_picks_it_for_bf16_and_fp32_caches_only():
     assert isinstance(get_attn_backend("cpu", torch.bfloat16), CpuAttentionBackend)
-    backend = get_attn_backend("cpu", torch.float32)
-    assert type(backend) is TorchAttentionBackend
+    assert isinstance(get_attn_backend("cpu", torch.float32), CpuAttentionBackend)
+    assert type(get_attn_backend("cpu", torch.float16)) is TorchAttentionBackend

@@ -13,21 +13,26 @@ from pagedllm.attention.torch_backend import TorchAttentionBackend
 from pagedllm.engine.arg_utils import EngineArgs
 
 
-def test_cpu_default_is_torch_sdpa(monkeypatch):
+def test_cpu_default_is_torch_sdpa_without_the_native_kernel(monkeypatch):
+    """Caches the kernel does not take (fp16), or no native build: TORCH_SDPA."""
     monkeypatch.delenv(ATTENTION_BACKEND_ENV, raising=False)
     assert isinstance(get_attn_backend("cpu"), TorchAttentionBackend)
+    assert isinstance(get_attn_backend("cpu", torch.float16), TorchAttentionBackend)
+    monkeypatch.setattr(selector, "cpu_ops", lambda: None)
+    assert isinstance(get_attn_backend("cpu", torch.float32), TorchAttentionBackend)
 
 
 def test_cpu_attn_explicitly(monkeypatch):
-    """CPU_ATTN: the native decode kernel, for bf16 caches on the CPU only."""
+    """CPU_ATTN: the native decode kernel, for bf16 and fp32 caches on the CPU only."""
     monkeypatch.delenv(ATTENTION_BACKEND_ENV, raising=False)
-    with pytest.raises(ValueError, match="CPU_ATTN.*bfloat16"):
-        get_attn_backend("cpu", torch.float32, "CPU_ATTN")
+    with pytest.raises(ValueError, match="CPU_ATTN.*bfloat16 or float32"):
+        get_attn_backend("cpu", torch.float16, "CPU_ATTN")
     with pytest.raises(ValueError, match="CPU_ATTN"):
         get_attn_backend("cuda", torch.bfloat16, "CPU_ATTN")
     monkeypatch.setattr(selector, "cpu_ops", lambda: object())  # native ops available
     assert isinstance(get_attn_backend("cpu", torch.bfloat16, "cpu_attn"), CpuAttentionBackend)
-    assert isinstance(get_attn_backend("cpu", torch.bfloat16), CpuAttentionBackend)  # default
+    for dtype in (torch.bfloat16, torch.float32):  # the default
+        assert isinstance(get_attn_backend("cpu", dtype), CpuAttentionBackend)
 
 
 def test_cuda_default_is_triton_where_triton_runs(monkeypatch):

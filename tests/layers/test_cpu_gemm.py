@@ -31,12 +31,54 @@ def test_packed_linear_equals_f_linear(tokens):
     torch.testing.assert_close(layer(x).float(), expected, rtol=1e-2, atol=1e-2)
 
 
-def test_fp32_is_never_packed():
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch without oneDNN")
+def test_fp32_is_packed_for_onednn(monkeypatch):
+    """fp32 weights go to oneDNN prepacked (never to the bf16 panels); the product differs
+    from F.linear's (MKL) only in the order of the fp32 sums. PAGEDLLM_CPU_PACK_WEIGHTS=0
+    keeps the plain weight, bit-exact with F.linear."""
+    for m in (1, 5, 64):
+        with torch.device("cpu"):
+            layer = RowParallelLinear(576, 200, params_dtype=torch.float32)
+        layer.weight.data.normal_()
+        weight = layer.weight.data.clone()
+        layer.process_weights_after_loading()
+        assert layer.weight_packed is not None and layer.weight.numel() == 0
+        assert getattr(layer, "weight_panels", None) is None
+        x = torch.randn(m, 576)
+        torch.testing.assert_close(layer(x), F.linear(x, weight), rtol=1e-5, atol=1e-4)
+    monkeypatch.setenv("PAGEDLLM_CPU_PACK_WEIGHTS", "0")
     with torch.device("cpu"):
         layer = RowParallelLinear(32, 16, params_dtype=torch.float32)
+    layer.weight.data.normal_()
+    weight = layer.weight.data.clone()
     layer.process_weights_after_loading()
-    assert getattr(layer, "weight_packed", None) is None and layer.weight.shape == (16, 32)
-    assert getattr(layer, "weight_panels", None) is None
+    assert getattr(layer, "weight_packed", None) is None and torch.equal(layer.weight, weight)
+    x = torch.randn(3, 32)
+    assert torch.equal(layer(x), F.linear(x, weight))
+
+
+def test_tied_lm_head_keeps_its_table(monkeypatch):
+    """A tied LM head is the embedding table too: it gets a packed copy for the logits and
+    keeps its rows for the lookups."""
+    from pagedllm.layers.logits_processor import LogitsProcessor
+    from pagedllm.layers.vocab_embedding import VocabParallelEmbedding
+
+    with torch.device("cpu"):
+        table = VocabParallelEmbedding(100, 64, params_dtype=torch.float32)
+    table.weight.data.normal_()
+    weight = table.weight.data.clone()
+    table.process_weights_after_loading()  # not a head: nothing packed
+    assert getattr(table, "weight_packed", None) is None
+    table.tied_lm_head = True
+    table.process_weights_after_loading()
+    assert torch.equal(table.weight, weight)
+    ids = torch.tensor([0, 5, 99])
+    assert torch.equal(table(ids), weight[ids])
+    h = torch.randn(4, 64)
+    logits = LogitsProcessor(100)(table, h)
+    torch.testing.assert_close(logits, h @ weight.T, rtol=1e-5, atol=1e-4)
+    if torch.backends.mkldnn.is_available():
+        assert table.weight_packed is not None
 
 
 def test_bf16_stays_plain_without_onednn_bf16(monkeypatch):
@@ -44,7 +86,7 @@ def test_bf16_stays_plain_without_onednn_bf16(monkeypatch):
     weight must stay plain for F.linear, not fail at load."""
     from pagedllm.layers import cpu_gemm
 
-    monkeypatch.setattr(cpu_gemm, "_onednn_bf16_packing", lambda: False)
+    monkeypatch.setattr(cpu_gemm, "cpu_has_fast_bf16", lambda: False)
     monkeypatch.setattr(cpu_gemm, "can_use_panels", lambda weight: False)
     with torch.device("cpu"):
         layer = RowParallelLinear(32, 16, params_dtype=torch.bfloat16)

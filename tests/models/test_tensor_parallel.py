@@ -53,8 +53,9 @@ def _run(model_dir: str) -> list[torch.Tensor]:
     tp = get_tp_world_size()
     # Each rank holds only its shard.
     assert model.model.embed_tokens.weight.shape[0] == hf_config.vocab_size // tp
-    gate_up = model.model.layers[0].mlp.gate_up_proj.weight
-    assert gate_up.shape[0] == 2 * hf_config.intermediate_size // tp
+    gate_up = model.model.layers[0].mlp.gate_up_proj
+    rows = getattr(gate_up, "weight_out_features", gate_up.weight.shape[0])  # packed or plain
+    assert rows == 2 * hf_config.intermediate_size // tp
     runner = PagedBatchRunner(model, len(PROMPTS))
     first = runner.step([list(p) for p in PROMPTS])
     second = runner.step([[7], [9]])

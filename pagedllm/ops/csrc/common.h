@@ -34,6 +34,22 @@ static inline uint16_t fp32_to_bf16(float f) {  // branch-free, so loops over it
 // fp32 -> bf16 -> fp32: the value a bf16 PyTorch op would have stored.
 static inline float round_bf16(float f) { return bf16_to_fp32(fp32_to_bf16(f)); }
 
+// The element types the kernels take (tensors of torch.bfloat16 / torch.float32): T is the
+// stored type; load widens to fp32, store narrows (rounding to nearest even), round is the
+// rounding a PyTorch op in that type applies to each result (none for fp32).
+struct Bf16 {
+  using T = uint16_t;
+  static inline float load(T v) { return bf16_to_fp32(v); }
+  static inline T store(float f) { return fp32_to_bf16(f); }
+  static inline float round(float f) { return round_bf16(f); }
+};
+struct Fp32 {
+  using T = float;
+  static inline float load(T v) { return v; }
+  static inline T store(float f) { return f; }
+  static inline float round(float f) { return f; }
+};
+
 // exp(x) to ~1 ulp (Cody-Waite reduction, Cephes' degree-6 polynomial): plain arithmetic, so
 // loops over it vectorize (libm's expf does not without -ffast-math). x is clamped to
 // [-87.3, 88.3] (exp underflows to ~1e-38 / stays below FLT_MAX).

@@ -92,51 +92,77 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return out;
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_rows(x, "x");
+// Element-typed pointer to a bf16 (Bf16) or fp32 (Fp32) tensor's data.
+template <class E>
+typename E::T* data(const at::Tensor& t) { return reinterpret_cast<typename E::T*>(t.data_ptr()); }
+
+// Calls body.template operator()<E>() with E the element type of t (bf16 or fp32 only).
+template <class F>
+void by_dtype(const at::Tensor& t, const char* name, F&& body) {
+  if (t.scalar_type() == at::kFloat) return body.template operator()<Fp32>();
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must be bfloat16 or float32");
+  body.template operator()<Bf16>();
+}
+
+void check_any_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
+}
+
+void check_like(const at::Tensor& t, const at::Tensor& like, const char* name) {
+  TORCH_CHECK(t.scalar_type() == like.scalar_type(), name, " must have the input's dtype");
+}
+
+at::Tensor rms_norm_impl(const at::Tensor& x, at::Tensor* residual, const at::Tensor& weight,
+                         double eps) {
+  check_any_rows(x, "x");
+  check_like(weight, x, "weight");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight: [hidden]");
+  if (residual) {
+    check_any_rows(*residual, "residual");
+    check_like(*residual, x, "residual");
+    TORCH_CHECK(x.sizes() == residual->sizes(), "x and residual must have one shape");
+  }
   const int64_t T = x.size(0), n = x.size(1);
   at::Tensor out = at::empty({T, n}, x.options());
-  at::parallel_for(0, T, row_grain(n), [&](int64_t b, int64_t e) {
-    std::vector<float> tmp(n);
-    for (int64_t t = b; t < e; ++t)
-      rms_norm_row(bf16_mut(out) + t * n, bf16_ptr(x) + t * x.stride(0), nullptr,
-                   bf16_ptr(weight), n, static_cast<float>(eps), tmp.data());
+  by_dtype(x, "x", [&]<class E>() {
+    at::parallel_for(0, T, row_grain(n), [&](int64_t b, int64_t e) {
+      std::vector<float> tmp(n);
+      for (int64_t t = b; t < e; ++t)
+        rms_norm_row(data<E>(out) + t * n, data<E>(x) + t * x.stride(0),
+                     residual ? data<E>(*residual) + t * residual->stride(0) : nullptr,
+                     data<E>(weight), n, static_cast<float>(eps), tmp.data());
+    });
   });
   return out;
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return rms_norm_impl(x, nullptr, weight, eps);
 }
 
 at::Tensor fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
                               double eps) {
-  check_rows(x, "x");
-  check_rows(residual, "residual");
-  TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual must have one shape");
-  const int64_t T = x.size(0), n = x.size(1);
-  at::Tensor out = at::empty({T, n}, x.options());
-  at::parallel_for(0, T, row_grain(n), [&](int64_t b, int64_t e) {
-    std::vector<float> tmp(n);
-    for (int64_t t = b; t < e; ++t)
-      rms_norm_row(bf16_mut(out) + t * n, bf16_ptr(x) + t * x.stride(0),
-                   bf16_mut(residual) + t * residual.stride(0), bf16_ptr(weight), n,
-                   static_cast<float>(eps), tmp.data());
-  });
-  return out;
+  return rms_norm_impl(x, &residual, weight, eps);
 }
 
 at::Tensor silu_and_mul(const at::Tensor& x) {
-  check_rows(x, "x");
+  check_any_rows(x, "x");
   const int64_t T = x.size(0), d = x.size(1) / 2;
   at::Tensor out = at::empty({T, d}, x.options());
-  at::parallel_for(0, T, row_grain(d), [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t)
-      silu_and_mul_row(bf16_mut(out) + t * d, bf16_ptr(x) + t * x.stride(0), d);
+  by_dtype(x, "x", [&]<class E>() {
+    at::parallel_for(0, T, row_grain(d), [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t)
+        silu_and_mul_row(data<E>(out) + t * d, data<E>(x) + t * x.stride(0), d);
+    });
   });
   return out;
 }
 
 void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
                       const at::Tensor& cos_sin_cache, int64_t head_size, int64_t rot) {
-  check_rows(q, "query");
-  check_rows(k, "key");
+  check_any_rows(q, "query");
+  check_any_rows(k, "key");
+  check_like(k, q, "key");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "positions: int64");
   TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.is_contiguous() &&
                   cos_sin_cache.size(1) == rot, "cos_sin_cache: float32 [len, rot]");
@@ -145,20 +171,21 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
   const float* cs = cos_sin_cache.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_sin_cache.size(0), "position ", pos[t], " out of the RoPE table");
-  at::parallel_for(0, T, row_grain(q.size(1) + k.size(1)), [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const float* row = cs + pos[t] * rot;
-      rope_row(bf16_mut(q) + t * q.stride(0), hq, head_size, rot, row);
-      rope_row(bf16_mut(k) + t * k.stride(0), hk, head_size, rot, row);
-    }
+  by_dtype(q, "query", [&]<class E>() {
+    at::parallel_for(0, T, row_grain(q.size(1) + k.size(1)), [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const float* row = cs + pos[t] * rot;
+        rope_row(data<E>(q) + t * q.stride(0), hq, head_size, rot, row);
+        rope_row(data<E>(k) + t * k.stride(0), hk, head_size, rot, row);
+      }
+    });
   });
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                                   const at::Tensor& block_table, const at::Tensor& seq_lens,
                                   int64_t max_seq_len, double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && kv_cache.scalar_type() == at::kBFloat16,
-              "query and cache must be bfloat16");
+  check_like(kv_cache, q, "kv_cache");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "query: [B, H, D] rows");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache: contiguous [2, num_blocks, block_size, Hkv, D]");
@@ -167,15 +194,17 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = kv_cache.size(3);
   TORCH_CHECK(H % Hkv == 0 && kv_cache.size(4) == D, "head counts / sizes disagree");
   at::Tensor out = at::empty({B, H, D}, q.options());
-  DecodeAttnArgs a{bf16_mut(out), bf16_ptr(q), q.stride(0), bf16_ptr(kv_cache),
-                   kv_cache.size(1), kv_cache.size(2), H, Hkv, D,
-                   block_table.data_ptr<int32_t>(), block_table.stride(0),
-                   seq_lens.data_ptr<int32_t>(), static_cast<float>(scale)};
   const int64_t G = H / Hkv;
   const int64_t scratch = G * (max_seq_len + 2 * D) + D;
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> buf(scratch);
-    for (int64_t i = b; i < e; ++i) decode_item(a, i / Hkv, i % Hkv, buf.data());
+  by_dtype(q, "query", [&]<class E>() {
+    DecodeAttnArgs<E> a{data<E>(out), data<E>(q), q.stride(0), data<E>(kv_cache),
+                        kv_cache.size(1), kv_cache.size(2), H, Hkv, D,
+                        block_table.data_ptr<int32_t>(), block_table.stride(0),
+                        seq_lens.data_ptr<int32_t>(), static_cast<float>(scale)};
+    at::parallel_for(0, B * Hkv, 1, [&](int64_t b, int64_t e) {
+      std::vector<float> buf(scratch);
+      for (int64_t i = b; i < e; ++i) decode_item(a, i / Hkv, i % Hkv, buf.data());
+    });
   });
   return out;
 }
