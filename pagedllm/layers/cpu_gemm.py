@@ -8,10 +8,13 @@ Three layouts, chosen per weight by `pack_linear_weight_` (called by the layers'
   layout serves every batch size: it streams the weights at memory bandwidth for decode-sized
   batches (oneDNN reaches ~40-60% of it at M = 1) and matches oneDNN's throughput for large
   ones. int8 weights (`weight_scale` set, `layers/quantization.py`) go to the W8A8 kernel on
-  any CPU with AVX512-VNNI (`weight_colsum` beside them).
+  any CPU with AVX512-VNNI (`weight_colsum` beside them). fp32 weights on AVX2 + FMA CPUs
+  without AVX-512 (`gemm_f32.h`): there oneDNN streams the weights at ~45-70% of the memory
+  bandwidth at decode sizes; with AVX-512, oneDNN's wider FMAs are kept. The fp32 panels
+  compute a row's result in an order fixed by K (batch-invariant, like the bf16 ones).
 - **oneDNN prepacked** (`weight_packed`): bf16 weights on other x86 CPUs with oneDNN's bf16
   path, AMX ones included (oneDNN picks AMX for large batches by itself), and fp32 weights
-  on every CPU with oneDNN (as vLLM's CPU backend runs them). `F.linear` on a row-major bf16
+  on the other CPUs with oneDNN (as vLLM's CPU backend runs them). `F.linear` on a row-major bf16
   weight would reorder it on every call; reordering once is 1.5-2.5x faster at decode sizes
   and bit-identical. For fp32, `F.linear` takes MKL's GEMM: oneDNN on the packed weight is
   1.8x faster at M = 1 and 1.8-4x at M = 4-64 (BENCHMARKS.md, "fp32 on an AVX2 CPU"), and
@@ -62,30 +65,38 @@ def _onednn_packing() -> bool:
 
 
 @functools.cache
-def _panel_ops(int8: bool):
-    """The native ops when this CPU runs the panel GEMM for this weight dtype (bf16:
-    AVX512-BF16 without AMX, where oneDNN is better; int8: AVX512-VNNI), else None."""
+def _panel_ops(dtype: torch.dtype):
+    """The native ops when this CPU runs the panel GEMM for this weight dtype, else None.
+    bf16: AVX512-BF16 without AMX (with AMX oneDNN is better); int8: AVX512-VNNI; fp32: AVX2
+    + FMA without AVX-512 (where oneDNN has wider vectors; see the module docstring)."""
     ops = cpu_ops()
     if ops is None:
         return None
-    if int8:
+    if dtype == torch.int8:
         return ops if ops.cpu_has_avx512_vnni() else None
+    if dtype == torch.float32:
+        return ops if ops.cpu_has_avx2_fma() and not torch.cpu._is_avx512_supported() else None
     if not ops.cpu_has_avx512_bf16() or torch.cpu._is_amx_tile_supported():
         return None
     return ops
 
 
 def can_use_panels(weight: torch.Tensor) -> bool:
-    """Whether `weight` ([out, in], bf16 or int8 with scales) goes to a panel kernel."""
+    """Whether `weight` ([out, in], bf16, fp32, or int8 with scales) goes to a panel kernel."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return False
-    int8 = weight.dtype == torch.int8
     k = weight.shape[1]
+    fits = {torch.int8: k <= INT8_MAX_K, torch.bfloat16: k % 2 == 0, torch.float32: True}
     return (
-        (k <= INT8_MAX_K if int8 else weight.dtype == torch.bfloat16 and k % 2 == 0)
+        fits.get(weight.dtype, False)
         and env_flag("PAGEDLLM_CPU_PACK_WEIGHTS", True)
-        and _panel_ops(int8) is not None
+        and _panel_ops(weight.dtype) is not None
     )
+
+
+def _panel_activation_dtype(weight_dtype: torch.dtype) -> torch.dtype:
+    """The activations' dtype each panel kernel multiplies (int8 weights take bf16 x)."""
+    return torch.float32 if weight_dtype == torch.float32 else torch.bfloat16
 
 
 def to_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -117,16 +128,19 @@ def pack_linear_weight_(module: torch.nn.Module, keep_plain: bool = False) -> No
     free the plain copy's storage, unless `keep_plain` (a tied LM head: the embedding looks
     rows up in it). No-op where no packing applies."""
     weight = module.weight.data
-    bf16_activations = getattr(module, "activation_dtype", weight.dtype) == torch.bfloat16
-    if can_use_panels(weight) and bf16_activations:  # the kernels multiply bf16 x
-        module.weight_panels = to_panels(weight)
+    activations = getattr(module, "activation_dtype", weight.dtype)
+    if can_use_panels(weight) and activations == _panel_activation_dtype(weight.dtype):
+        # Buffers (not plain attributes): torch.compile then takes them as inputs of one graph
+        # for every layer instead of constants that differ per layer.
+        panels = to_panels(weight)
+        module.register_buffer("weight_panels", panels, persistent=False)
         if weight.dtype == torch.int8:  # sum_k q[n, k], for the activations' zero points
             colsum = weight.sum(dim=1, dtype=torch.int32)
-            module.weight_colsum = F.pad(
-                colsum, (0, module.weight_panels.shape[0] * PANEL - len(colsum))
-            )
+            colsum = F.pad(colsum, (0, panels.shape[0] * PANEL - len(colsum)))
+            module.register_buffer("weight_colsum", colsum, persistent=False)
     elif weight.dtype != torch.int8 and can_pack(weight):
-        module.weight_packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+        module.register_buffer("weight_packed", packed, persistent=False)
     else:
         return
     module.weight_out_features = weight.shape[0]
@@ -161,7 +175,7 @@ def _linear_2d(
     panels = getattr(module, "weight_panels", None)
     out_fp32 = out_dtype == torch.float32
     if panels is not None and scale is not None:
-        y = cpu_ops().linear_int8(
+        y = torch.ops.pagedllm.linear_int8(
             flat.contiguous(),
             panels,
             scale,
@@ -170,8 +184,14 @@ def _linear_2d(
             module.weight_out_features,
             out_fp32,
         )
+    elif panels is not None and panels.dtype == torch.float32:
+        y = torch.ops.pagedllm.linear_f32(
+            flat.contiguous(), panels, bias, module.weight_out_features
+        )
     elif panels is not None:
-        y = cpu_ops().linear(flat.contiguous(), panels, bias, module.weight_out_features, out_fp32)
+        y = torch.ops.pagedllm.linear(
+            flat.contiguous(), panels, bias, module.weight_out_features, out_fp32
+        )
     elif scale is not None:  # int8 without the native kernel: the reference
         y = int8_linear(flat, module.weight, scale, bias, out_dtype or flat.dtype)
     else:

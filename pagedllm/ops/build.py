@@ -81,16 +81,25 @@ def _registered() -> bool:
     return True
 
 
+def _register_fake_gemm() -> None:
+    """Shape functions for the fp32 GEMM, so that torch.compile (compilation level 3, which
+    fp32 CPU models allow) keeps it as one opaque call inside its graphs."""
+
+    @torch.library.register_fake("pagedllm::linear_f32")
+    def _(x, w, bias, n):
+        return x.new_empty((x.shape[0], n))
+
+
 @functools.cache
 def cpu_ops() -> Any | None:
     """`torch.ops.pagedllm`, built and loaded on first use; None if disabled or unavailable."""
     if not kernels_enabled() or sys.platform != "linux":
         return None
-    if _registered():  # loaded already (a second library would register the ops twice)
-        return torch.ops.pagedllm
-    try:
-        build()
-    except Exception as e:  # no compiler, no ninja, a failed build: stay on PyTorch
-        logger.warning("pagedllm CPU kernels unavailable, using PyTorch ops (%s)", e)
-        return None
+    if not _registered():  # not loaded yet (a second library would register the ops twice)
+        try:
+            build()
+        except Exception as e:  # no compiler, no ninja, a failed build: stay on PyTorch
+            logger.warning("pagedllm CPU kernels unavailable, using PyTorch ops (%s)", e)
+            return None
+    _register_fake_gemm()
     return torch.ops.pagedllm

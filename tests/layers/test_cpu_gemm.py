@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from pagedllm.layers.cpu_gemm import can_pack, from_panels, to_panels
 from pagedllm.layers.linear import QKVParallelLinear, RowParallelLinear
+from pagedllm.ops import cpu_ops
 
 needs_packing = pytest.mark.skipif(
     not can_pack(torch.empty(2, 2, dtype=torch.bfloat16)), reason="no oneDNN bf16 packing here"
@@ -32,18 +33,25 @@ def test_packed_linear_equals_f_linear(tokens):
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch without oneDNN")
-def test_fp32_is_packed_for_onednn(monkeypatch):
-    """fp32 weights go to oneDNN prepacked (never to the bf16 panels); the product differs
-    from F.linear's (MKL) only in the order of the fp32 sums. PAGEDLLM_CPU_PACK_WEIGHTS=0
-    keeps the plain weight, bit-exact with F.linear."""
+def test_fp32_is_packed(monkeypatch):
+    """fp32 weights go to the fp32 panels on AVX2 CPUs without AVX-512, else to oneDNN
+    prepacked; either product differs from F.linear's (MKL) only in the order of the fp32
+    sums. PAGEDLLM_CPU_PACK_WEIGHTS=0 keeps the plain weight, bit-exact with F.linear."""
+    ops = cpu_ops()
+    panels = ops is not None and ops.cpu_has_avx2_fma() and not torch.cpu._is_avx512_supported()
     for m in (1, 5, 64):
         with torch.device("cpu"):
             layer = RowParallelLinear(576, 200, params_dtype=torch.float32)
         layer.weight.data.normal_()
         weight = layer.weight.data.clone()
         layer.process_weights_after_loading()
-        assert layer.weight_packed is not None and layer.weight.numel() == 0
-        assert getattr(layer, "weight_panels", None) is None
+        assert layer.weight.numel() == 0
+        if panels:
+            assert layer.weight_panels.dtype == torch.float32
+            assert getattr(layer, "weight_packed", None) is None
+        else:
+            assert layer.weight_packed is not None
+            assert getattr(layer, "weight_panels", None) is None
         x = torch.randn(m, 576)
         torch.testing.assert_close(layer(x), F.linear(x, weight), rtol=1e-5, atol=1e-4)
     monkeypatch.setenv("PAGEDLLM_CPU_PACK_WEIGHTS", "0")
@@ -78,7 +86,8 @@ def test_tied_lm_head_keeps_its_table(monkeypatch):
     logits = LogitsProcessor(100)(table, h)
     torch.testing.assert_close(logits, h @ weight.T, rtol=1e-5, atol=1e-4)
     if torch.backends.mkldnn.is_available():
-        assert table.weight_packed is not None
+        packed = getattr(table, "weight_packed", None)
+        assert packed is not None or table.weight_panels is not None
 
 
 def test_bf16_stays_plain_without_onednn_bf16(monkeypatch):

@@ -24,6 +24,9 @@ pytestmark = pytest.mark.skipif(ops is None, reason="native CPU ops not built he
 needs_bf16 = pytest.mark.skipif(
     ops is None or not ops.cpu_has_avx512_bf16(), reason="no AVX512-BF16 on this CPU"
 )
+needs_avx2 = pytest.mark.skipif(
+    ops is None or not ops.cpu_has_avx2_fma(), reason="no AVX2 + FMA on this CPU"
+)
 needs_vnni = pytest.mark.skipif(
     ops is None or not ops.cpu_has_avx512_vnni(), reason="no AVX512-VNNI on this CPU"
 )
@@ -34,6 +37,30 @@ def torch_path(monkeypatch):
     """Make the layers take their PyTorch code (the kernels are looked up per call)."""
     for layer in ("layernorm", "activation", "rotary_embedding"):
         monkeypatch.setattr(f"pagedllm.layers.{layer}.row_ops", lambda x: None)
+
+
+@needs_avx2
+@pytest.mark.parametrize("n,k", [(1, 1), (64, 64), (100, 770), (130, 65), (1280, 96)])
+def test_linear_f32(n, k):
+    """fp32 panels: close to F.linear for partial panels and K chunks, bias or none; and each
+    row's result bit-identical whatever batch it comes in (one row, 6-row tiles, leftovers,
+    row blocks of 96)."""
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    x = torch.randn(200, k, generator=g)
+    panels = to_panels(w)
+    assert panels.shape == (-(-n // 64), k, 64, 1)
+    for b in (None, bias):
+        y = ops.linear_f32(x, panels, b, n)
+        torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+        for m in (1, 5, 6, 7, 97):
+            assert torch.equal(ops.linear_f32(x[m : 2 * m], panels, b, n), y[m : 2 * m])
+    strided = torch.randn(3, 2 * k, generator=g)[:, :k]
+    assert torch.equal(
+        ops.linear_f32(strided, panels, None, n),
+        ops.linear_f32(strided.contiguous(), panels, None, n),
+    )
 
 
 @needs_bf16

@@ -13,6 +13,7 @@
 #include "attention.h"
 #include "elementwise.h"
 #include "gemm.h"
+#include "gemm_f32.h"
 #include "gemm_int8.h"
 
 namespace pagedllm {
@@ -51,6 +52,29 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   const int64_t panels = (n + kPanel - 1) / kPanel;
   const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
   at::parallel_for(0, blocks * panels, 1, [&](int64_t b, int64_t e) { gemm_items(a, b, e); });
+  return out;
+}
+
+bool cpu_has_avx2_fma() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+
+// y = x w^T + bias in fp32, w packed [ceil(N / 64), K, 64] (gemm_f32.h).
+at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                      int64_t n) {
+  TORCH_CHECK(cpu_has_avx2_fma(), "pagedllm::linear_f32 needs AVX2 and FMA");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
+              "x must be float32 2-D with contiguous rows");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.dim() == 4 &&
+                  w.size(0) * kPanel >= n && w.size(1) == K && w.size(2) == kPanel && w.size(3) == 1,
+              "w must be float32 packed [ceil(N / 64), K, 64, 1]");
+  if (bias) TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n, "bias: float32 [N]");
+  at::Tensor out = at::empty({M, n}, x.options());
+  if (M == 0) return out;
+  GemmF32Args a{x.data_ptr<float>(), M, K, x.stride(0), w.data_ptr<float>(),
+                bias ? bias->data_ptr<float>() : nullptr, n, out.data_ptr<float>(), n};
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
+  at::parallel_for(0, blocks * panels, 1, [&](int64_t b, int64_t e) { gemm_f32_items(a, b, e); });
   return out;
 }
 
@@ -215,6 +239,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
 TORCH_LIBRARY(pagedllm, m) {
   m.def("cpu_has_avx512_bf16() -> bool", &pagedllm::cpu_has_avx512_bf16);
   m.def("cpu_has_avx512_vnni() -> bool", &pagedllm::cpu_has_avx512_vnni);
+  m.def("cpu_has_avx2_fma() -> bool", &pagedllm::cpu_has_avx2_fma);
+  // A CPU kernel (not a catch-all) so that build.py can give it a fake for torch.compile.
+  m.def("linear_f32(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
   m.def("linear(Tensor x, Tensor w, Tensor? bias, int n, bool out_fp32) -> Tensor",
         &pagedllm::linear);
   m.def("linear_int8(Tensor x, Tensor w, Tensor w_scale, Tensor colsum, Tensor? bias, int n, "
@@ -228,3 +255,5 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
         "int max_seq_len, float scale) -> Tensor", &pagedllm::paged_decode_attention);
 }
+
+TORCH_LIBRARY_IMPL(pagedllm, CPU, m) { m.impl("linear_f32", &pagedllm::linear_f32); }

@@ -1,0 +1,120 @@
+// Linear layers on fp32 weights packed in panels, for AVX2 + FMA CPUs.
+//
+// Packed layout: [N_pad / 64][K][64] (the panels of gemm.h with one input per group): for each
+// input k, a panel holds the 64 output channels' weights in one 256-byte run, so a panel is a
+// single sequential stream (what the hardware prefetchers follow at full bandwidth when M is
+// small and the weights come from DRAM).
+//
+// Two micro-kernels over a K-chunk of a panel: one row x 64 outputs (8 accumulators; small
+// batches, where the weights stream from memory) and 6 rows x 16 outputs (12 accumulators, 4
+// per panel; large batches, where FMA throughput counts). In both, each output's sum runs
+// over k in order, one FMA at a time, and chunk sums are added in chunk order: a row's result
+// depends on K alone, never on the batch it came in or the kernel that computed it. Work:
+// (row block) x (panel) items over ATen's threads; a 64-input chunk of a panel (16 KB) stays in
+// L1 while every row of the block multiplies it.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "gemm.h"
+
+#define PAGEDLLM_FMA_TARGET __attribute__((target("avx2,fma")))
+
+namespace pagedllm {
+
+constexpr int64_t kF32KChunk = 64;  // inputs per chunk: 16 KB of a panel
+
+struct GemmF32Args {
+  const float* x;     // [M, ldx], K used
+  int64_t M, K, ldx;
+  const float* w;     // packed panels
+  const float* bias;  // [N] or nullptr
+  int64_t N;
+  float* out;         // [M, ldo]
+  int64_t ldo;
+};
+
+// c[0..64) (+)= x[k0 .. k0 + nk) * panel chunk w (nk rows of 64).
+PAGEDLLM_FMA_TARGET static inline void row64(const float* x, const float* w, int64_t nk, float* c,
+                                             bool load_c) {
+  __m256 acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < nk; ++k) {
+    const float* wk = w + k * kPanel;
+    const __m256 xb = _mm256_broadcast_ss(x + k);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(wk + 8 * j), xb, acc[j]);
+  }
+  for (int j = 0; j < 8; ++j)
+    _mm256_storeu_ps(c + 8 * j, load_c ? _mm256_add_ps(acc[j], _mm256_loadu_ps(c + 8 * j)) : acc[j]);
+}
+
+// c[6][64] (+)= x[6 rows, k0 .. k0 + nk) * panel chunk w, 16 outputs at a time.
+PAGEDLLM_FMA_TARGET static inline void rows6(const float* x, int64_t ldx, const float* w,
+                                             int64_t nk, float* c, bool load_c) {
+  for (int j = 0; j < 4; ++j) {
+    __m256 acc[6][2];
+    for (int m = 0; m < 6; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < nk; ++k) {
+      const float* wk = w + k * kPanel + 16 * j;
+      const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
+#pragma GCC unroll 6
+      for (int m = 0; m < 6; ++m) {
+        const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k);
+        acc[m][0] = _mm256_fmadd_ps(w0, xb, acc[m][0]);
+        acc[m][1] = _mm256_fmadd_ps(w1, xb, acc[m][1]);
+      }
+    }
+    for (int m = 0; m < 6; ++m)
+      for (int h = 0; h < 2; ++h) {
+        float* ch = c + m * kPanel + 16 * j + 8 * h;
+        _mm256_storeu_ps(ch, load_c ? _mm256_add_ps(acc[m][h], _mm256_loadu_ps(ch)) : acc[m][h]);
+      }
+  }
+}
+
+// Rows [m0, m1) x panel p: K-chunks, every row per chunk, then the epilogue (bias, store).
+PAGEDLLM_FMA_TARGET static void gemm_f32_item(const GemmF32Args& a, int64_t m0, int64_t m1,
+                                              int64_t p, float* c) {
+  const float* panel = a.w + p * a.K * kPanel;
+  for (int64_t k0 = 0; k0 < a.K; k0 += kF32KChunk) {
+    const int64_t nk = std::min(kF32KChunk, a.K - k0);
+    int64_t m = m0;
+    for (; m + 6 <= m1; m += 6)
+      rows6(a.x + m * a.ldx + k0, a.ldx, panel + k0 * kPanel, nk, c + (m - m0) * kPanel, k0 > 0);
+    for (; m < m1; ++m)
+      row64(a.x + m * a.ldx + k0, panel + k0 * kPanel, nk, c + (m - m0) * kPanel, k0 > 0);
+  }
+  const int64_t n0 = p * kPanel, n1 = std::min(a.N, n0 + kPanel);
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* cr = c + (m - m0) * kPanel;
+    float* o = a.out + m * a.ldo + n0;
+    if (n1 - n0 == kPanel) {
+      for (int j = 0; j < kPanel; j += 8) {
+        __m256 v = _mm256_loadu_ps(cr + j);
+        if (a.bias) v = _mm256_add_ps(v, _mm256_loadu_ps(a.bias + n0 + j));
+        _mm256_storeu_ps(o + j, v);
+      }
+    } else {
+      for (int64_t n = n0; n < n1; ++n) o[n - n0] = cr[n - n0] + (a.bias ? a.bias[n] : 0.f);
+    }
+  }
+}
+
+// Items [begin, end) of (row block, panel) pairs, row block major.
+PAGEDLLM_FMA_TARGET static void gemm_f32_items(const GemmF32Args& a, int64_t begin, int64_t end) {
+  const int64_t panels = (a.N + kPanel - 1) / kPanel;
+  const int64_t block = std::min(kRowBlock, a.M);
+  std::vector<float> c(block * kPanel);
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t mb = i / panels, p = i % panels;
+    const int64_t m0 = mb * block, m1 = std::min(a.M, m0 + block);
+    gemm_f32_item(a, m0, m1, p, c.data());
+  }
+}
+
+}  // namespace pagedllm
