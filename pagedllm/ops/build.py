@@ -33,8 +33,16 @@ EXT_NAME = "pagedllm_cpu_ops"
 # resolves to the copy PyTorch already loaded (one thread pool for both).
 # -ffp-contract=off: a * b - c * d stays two rounded products and a rounded difference, as
 # PyTorch computes it (GCC would fuse it into an FMA, a different rounding); the kernels'
-# explicit FMA intrinsics are unaffected.
-CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-Wno-unused-function"]
+# explicit FMA intrinsics are unaffected. -fno-trapping-math: float selects (exp's clamp, the
+# bf16 NaN test) become blends, so the loops around them vectorize (values are unchanged).
+CFLAGS = [
+    "-O3",
+    "-fopenmp",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-ffp-contract=off",
+    "-Wno-unused-function",
+]
 
 
 def kernels_enabled() -> bool:

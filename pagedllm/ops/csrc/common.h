@@ -53,7 +53,7 @@ struct Fp32 {
 // exp(x) to ~1 ulp (Cody-Waite reduction, Cephes' degree-6 polynomial): plain arithmetic, so
 // loops over it vectorize (libm's expf does not without -ffast-math). x is clamped to
 // [-87.3, 88.3] (exp underflows to ~1e-38 / stays below FLT_MAX).
-static inline float exp_approx(float x) {
+static inline __attribute__((always_inline)) float exp_approx(float x) {
   x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);
   // Round to nearest by the 1.5 * 2^23 trick (no SSE4.1 rounding instruction needed).
   const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;

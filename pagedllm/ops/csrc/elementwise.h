@@ -34,15 +34,24 @@ static inline __attribute__((always_inline)) void rms_norm_row_t(
   for (int64_t i = 0; i < n; ++i) out[i] = E::store(E::load(w[i]) * E::round(tmp[i] * r));
 }
 
-// out[i] = round(round(silu(gate[i])) * up[i]) for x = [gate | up].
+// out[i] = round(round(silu(gate[i])) * up[i]) for x = [gate | up]. Two loops a chunk (the
+// exps, then the rest): GCC vectorizes the one-loop form with the division inside exp's
+// blends, ~3x slower.
 template <class E>
 static inline __attribute__((always_inline)) void silu_and_mul_row_t(
     typename E::T* out, const typename E::T* x, int64_t d) {
+  constexpr int64_t kChunk = 256;
+  float e[kChunk];
+  for (int64_t i0 = 0; i0 < d; i0 += kChunk) {
+    const int64_t n = d - i0 < kChunk ? d - i0 : kChunk;
+    const typename E::T* g = x + i0;
 #pragma omp simd
-  for (int64_t i = 0; i < d; ++i) {
-    const float g = E::load(x[i]);
-    const float s = E::round(g / (1.f + exp_approx(-g)));
-    out[i] = E::store(s * E::load(x[d + i]));
+    for (int64_t i = 0; i < n; ++i) e[i] = exp_approx(-E::load(g[i]));
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) {
+      const float s = E::round(E::load(g[i]) / (1.f + e[i]));
+      out[i0 + i] = E::store(s * E::load(g[d + i]));
+    }
   }
 }
 
