@@ -55,13 +55,15 @@ def main() -> None:
                 continue
             x = torch.randn(m, k)
             kinds = {
-                "mkl": lambda: [F.linear(x, w) for w in weights],
-                "onednn": lambda: [
-                    torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed
+                "mkl": lambda x=x, ws=weights: [F.linear(x, w) for w in ws],
+                "onednn": lambda x=x, ps=packed: [
+                    torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in ps
                 ],
             }
             if panels_ok:
-                kinds["panels"] = lambda: [ops.linear_f32(x, p, None, n) for p in panels]
+                kinds["panels"] = lambda x=x, ps=panels, n=n: [
+                    ops.linear_f32(x, p, None, n) for p in ps
+                ]
             cells = {}
             for name, fn in kinds.items():
                 s = median_seconds(fn) / copies
