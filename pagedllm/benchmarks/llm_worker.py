@@ -56,7 +56,12 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"unknown engine {engine!r}: 'vllm' or 'pagedllm'")
     start = time.perf_counter()
     llm = LLM(model=model, **kwargs)
-    _reply({"op": "ready", "startup_s": time.perf_counter() - start})
+    startup_s = time.perf_counter() - start
+    import torch
+
+    dtype = llm.llm_engine.model_config.dtype  # both engines have it there
+    weight_bytes = torch.empty((), dtype=dtype).element_size()
+    _reply({"op": "ready", "startup_s": startup_s, "weight_bytes": weight_bytes})
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "quit":

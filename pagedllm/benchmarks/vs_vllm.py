@@ -53,6 +53,7 @@ class Worker:
     proc: subprocess.Popen
     log: list[str] = field(default_factory=list)
     startup_s: float = 0.0
+    weight_bytes: int = 2  # of the model's dtype (int8 runs count 1)
 
     @classmethod
     def start(cls, name: str, argv: list[str], env: dict[str, str]) -> Worker:
@@ -63,6 +64,7 @@ class Worker:
         ready = worker.read()
         print(f"{name}: ready, start-up {ready['startup_s']:.1f} s", file=sys.stderr)
         worker.startup_s = ready["startup_s"]
+        worker.weight_bytes = ready["weight_bytes"]
         return worker
 
     def read(self) -> dict:
@@ -266,7 +268,7 @@ def run_timings(args: argparse.Namespace, workers: list[Worker], vocab: int) -> 
     summary: dict[str, dict] = {}
     for w in workers:
         summary[w.name] = {"startup_s": w.startup_s}
-        wbytes = 1.0 if w.name.endswith("int8") else 2.0
+        wbytes = 1.0 if w.name.endswith("int8") else float(w.weight_bytes)
         for name, results in runs[w.name].items():
             med = statistics.median(x["tokens_per_s"] for x in results)
             best = min(results, key=lambda x: abs(x["tokens_per_s"] - med))

@@ -45,6 +45,11 @@ class LLMEngine:
         config.cache_config.num_blocks = self.engine_core.num_blocks  # sized by the core
         self.stat_loggers = stat_loggers or []
 
+    @property
+    def model_config(self):
+        """The model's config (`llm.llm_engine.model_config`, as in vLLM): dtype, lengths."""
+        return self.config.model_config
+
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> LLMEngine:
         return cls(engine_args.create_engine_config(), **kwargs)
