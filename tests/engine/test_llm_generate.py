@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from pagedllm import LLM, SamplingParams
 from tests.engine.conftest import hf_greedy
@@ -34,7 +35,8 @@ def _run(llm: LLM, prompts: list[list[int]], params=None) -> list[list[int]]:
 def test_greedy_matches_transformers(model_dirs, arch):
     model_dir = model_dirs[arch]
     llm = LLM(model=model_dir, dtype="float32", kv_cache_memory=8 << 20)
-    vocab = llm.llm_engine.config.model_config.vocab_size
+    assert llm.llm_engine.model_config.dtype == torch.float32  # vLLM's place for it
+    vocab = llm.llm_engine.model_config.vocab_size
     prompts = _prompts(vocab, [5, 17, 33, 64])
     assert _run(llm, prompts) == hf_greedy(model_dir, prompts, MAX_NEW)
 
