@@ -18,6 +18,15 @@ from pagedllm.structured_output.params import (
 _SAMPLING_EPS = 1e-5
 
 
+class ParamValueError(ValueError):
+    """A bad value of one named parameter (`param`, the SamplingParams field): offline it is
+    a ValueError like any other; the server's 400 names the request field it came from."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class RequestOutputKind(IntEnum):
     CUMULATIVE = 0  # every output carries the whole text so far
     DELTA = 1  # every output carries only what is new
@@ -111,7 +120,7 @@ class SamplingParams(
 
     def _verify_args(self) -> None:
         def bad(field_name: str, value: Any, why: str) -> ValueError:
-            return ValueError(f"{field_name} must be {why}, got {value!r}")
+            return ParamValueError(f"{field_name} must be {why}, got {value!r}", field_name)
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", self.n, "an integer >= 1")

@@ -12,7 +12,12 @@ from typing import Any
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched.beam import check_beam_search_fits
 from pagedllm.engine import EngineCoreRequest
-from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from pagedllm.sampling_params import (
+    BeamSearchParams,
+    ParamValueError,
+    RequestOutputKind,
+    SamplingParams,
+)
 from pagedllm.spec_decode.config import get_speculative_config
 from pagedllm.structured_output.backend_xgrammar import StructuredOutputValidator
 
@@ -166,15 +171,18 @@ class Processor:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and limit >= 0 and value > limit:
-                raise ValueError(
+                raise ParamValueError(
                     f"{name}={value} is more than the maximum ({limit}; the server's "
-                    "--max-logprobs)"
+                    "--max-logprobs)",
+                    name,
                 )
         for name in ("allowed_token_ids", "stop_token_ids", "logit_bias"):
             ids = getattr(params, name) or []  # logit_bias: its keys
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
-                raise ValueError(f"{name} has token ids out of the vocabulary: {bad[:10]}")
+                raise ParamValueError(
+                    f"{name} has token ids out of the vocabulary: {bad[:10]}", name
+                )
         self.validate_structured_outputs(params)  # bad schema/regex/grammar: compiler's message
         self._validate_kv_transfer_params(params)
         params = params.clone()

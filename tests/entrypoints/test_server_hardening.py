@@ -155,6 +155,30 @@ def test_bad_input_is_an_openai_error(server, path, content, status, needle):
     assert_openai_error(r, status, needle)
 
 
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"999999": 1}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, "presence_penalty"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 10_000}, "logprobs"),
+        (  # chat's field is top_logprobs (SamplingParams.logprobs inside)
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "hi"}],
+                "logprobs": True,
+                "top_logprobs": 10_000,
+            },
+            "top_logprobs",
+        ),
+    ],
+)
+def test_sampling_errors_name_their_field(server, path, body, param):
+    """A value SamplingParams or the engine refuses: the 400's `param` is the request's field."""
+    error = assert_openai_error(httpx.post(f"{server.url}{path}", json=body), 400)
+    assert error["param"] == param, error
+
+
 def test_limits_and_methods(server):
     url = server.url
     assert_openai_error(httpx.get(f"{url}/v1/completions"), 405, "not allowed")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -88,6 +88,15 @@ class SamplingRequestMixin(OpenAIBaseModel, StructuredOutputsRequestMixin):
     """Sampling fields shared by completions and chat (OpenAI's, then vLLM's extras; the
     structured-output fields come from `StructuredOutputsRequestMixin`)."""
 
+    # SamplingParams fields whose request field has another name (`request_param`).
+    _param_names: ClassVar[dict[str, str]] = {}
+
+    def request_param(self, sampling_param: str | None) -> str | None:
+        """The request field a bad SamplingParams field (a `ParamValueError`'s) came from."""
+        if sampling_param is None:
+            return None
+        return self._param_names.get(sampling_param, sampling_param)
+
     model: str | None = None
     frequency_penalty: float | None = 0.0
     presence_penalty: float | None = 0.0
@@ -137,6 +146,7 @@ class SamplingRequestMixin(OpenAIBaseModel, StructuredOutputsRequestMixin):
             length_penalty=self.length_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output,
         )
+
     # Disaggregated prefill/decode (vLLM's field): what the engine's KV connector should do
     # with this request's KV, e.g. pull it from a prefill instance.
     kv_transfer_params: dict[str, Any] | None = None
@@ -272,6 +282,8 @@ class CompletionStreamResponse(OpenAIBaseModel):
 
 
 class ChatCompletionRequest(SamplingRequestMixin):
+    _param_names: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs"}
+
     messages: list[dict[str, Any]]
     logprobs: bool | None = False
     top_logprobs: int | None = 0

@@ -130,8 +130,10 @@ class OpenAIServing:
             processed = self.engine.processor.process_inputs(
                 request_id, prompt, params, None, request.priority
             )
-        except ValueError as e:
-            raise OpenAIError(str(e)) from e
+        except ValueError as e:  # a ParamValueError names its field
+            request_param = getattr(request, "request_param", None)
+            param = getattr(e, "param", None)
+            raise OpenAIError(str(e), param=request_param(param) if request_param else param) from e
         return params, processed
 
     async def generate(
