@@ -8,7 +8,10 @@ would specialize on and recompile for), and each decoder block is compiled aroun
 dynamic token counts; the blocks share one compiled code (no compile per layer). What a
 block runs besides attention (norms with their residual adds, the q/k/v and MLP GEMMs, rotary
 embedding, SiLU * up) is what Inductor fuses. On the CPU, bf16 models run pagedllm's native
-kernels (`pagedllm/ops`) instead, which Dynamo cannot trace: level 3 there is an error.
+kernels (`pagedllm/ops`) instead, which Dynamo cannot trace: level 3 there is an error. fp32
+models compile: inside a graph the layers take their PyTorch code for the elementwise work
+(`ops.row_ops` is None while compiling), and the fp32 panel GEMM is one opaque call (it has a
+fake, `ops/build.py`).
 
 Inductor's FX-graph cache stays on and lives under `compilation_config.cache_dir` (default
 `$XDG_CACHE_HOME/pagedllm/torch_compile`, else `~/.cache/pagedllm/torch_compile`) instead of

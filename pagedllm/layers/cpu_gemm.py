@@ -9,17 +9,17 @@ Three layouts, chosen per weight by `pack_linear_weight_` (called by the layers'
   batches (oneDNN reaches ~40-60% of it at M = 1) and matches oneDNN's throughput for large
   ones. int8 weights (`weight_scale` set, `layers/quantization.py`) go to the W8A8 kernel on
   any CPU with AVX512-VNNI (`weight_colsum` beside them). fp32 weights on AVX2 + FMA CPUs
-  without AVX-512 (`gemm_f32.h`): there oneDNN streams the weights at ~45-70% of the memory
+  without AVX-512 (`gemm_f32.h`): there oneDNN streams the weights at ~35-65% of the memory
   bandwidth at decode sizes; with AVX-512, oneDNN's wider FMAs are kept. The fp32 panels
   compute a row's result in an order fixed by K (batch-invariant, like the bf16 ones).
 - **oneDNN prepacked** (`weight_packed`): bf16 weights on other x86 CPUs with oneDNN's bf16
   path, AMX ones included (oneDNN picks AMX for large batches by itself), and fp32 weights
-  on the other CPUs with oneDNN (as vLLM's CPU backend runs them). `F.linear` on a row-major bf16
-  weight would reorder it on every call; reordering once is 1.5-2.5x faster at decode sizes
-  and bit-identical. For fp32, `F.linear` takes MKL's GEMM: oneDNN on the packed weight is
-  1.8x faster at M = 1 and 1.8-4x at M = 4-64 (BENCHMARKS.md, "fp32 on an AVX2 CPU"), and
-  differs from it in the order of the fp32 sums (the last bits; greedy tokens still match
-  transformers' fp32 ones, as the oracle tests check).
+  on the other CPUs with oneDNN (as vLLM's CPU backend runs them). `F.linear` on a row-major
+  bf16 weight would reorder it on every call; reordering once is 1.5-2.5x faster at decode
+  sizes and bit-identical. For fp32, `F.linear` takes MKL's GEMM: oneDNN on the packed weight
+  is 1.1-1.8x faster at M = 1 and 1.8-4.4x at M = 4 (BENCHMARKS.md, "The fp32 fast path on an
+  AVX2 CPU"), and differs from it in the order of the fp32 sums (the last bits; greedy tokens
+  still match transformers' fp32 ones, as the oracle tests check).
 - **Plain** `F.linear`: everything when `PAGEDLLM_CPU_PACK_WEIGHTS=0` (then fp32 weights
   compute exactly as transformers does) or without oneDNN. int8 weights without the native
   kernel take `int8_linear`, the PyTorch reference (the same numbers).
