@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import re
 import secrets
 import time
 from collections.abc import AsyncGenerator
@@ -45,6 +46,16 @@ STATS_INTERVAL_ENV = "PAGEDLLM_LOG_STATS_INTERVAL"
 # Outputs processed between two yields to the event loop, so a big batch of outputs does not
 # hold up the HTTP side.
 _OUTPUT_CHUNK_SIZE = 128
+
+
+_SUFFIX_BYTES = 4  # of the random suffix of an engine request id
+_SUFFIX = re.compile(rf"-[0-9a-f]{{{2 * _SUFFIX_BYTES}}}$")
+
+
+def caller_request_id(engine_request_id: str) -> str:
+    """The caller's id of an engine request `AsyncLLM` added (any front end's): its id
+    without the random suffix. Children of n > 1 keep their "<index>_" prefix."""
+    return _SUFFIX.sub("", engine_request_id)
 
 
 class AsyncLLM:
@@ -242,10 +253,11 @@ class AsyncLLM:
         return queue
 
     def _internal_request_id(self, request_id: str) -> str:
-        """`request_id` plus a random suffix no request in flight here has."""
+        """`request_id` plus a random suffix no request in flight here has (the inverse:
+        `caller_request_id`)."""
         op = self.output_processor
         while True:
-            internal_id = f"{request_id}-{secrets.token_hex(4)}"
+            internal_id = f"{request_id}-{secrets.token_hex(_SUFFIX_BYTES)}"
             if internal_id not in op.request_states and internal_id not in op.parents:
                 return internal_id
 

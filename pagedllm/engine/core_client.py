@@ -226,6 +226,7 @@ class MPClient(EngineCoreClient):
         self._stall_timeout_s = config.stall_timeout_s
         self._engine_health: dict[int, EngineHealth] = {}
         self._last_heard: dict[int, float] = {}
+        self._silent: set[int] = set()  # engines whose heartbeats stopped (logged once)
         # request id -> engine rank, for aborts and for failing a dead engine's requests.
         self._request_engines: dict[str, int] = {}
         self._call_ids = itertools.count(1)
@@ -304,7 +305,8 @@ class MPClient(EngineCoreClient):
     def stalled_engines(self) -> dict[int, str]:
         """Live engines whose last heartbeat says stalled, or whose heartbeats stopped for
         longer than the stall timeout (a frozen process; only engines that sent one): rank
-        -> why."""
+        -> why. A silent engine is logged when first found so (the engine logs its own
+        stalls) and again when it is heard from."""
         timeout = self._stall_timeout_s
         if timeout <= 0 or self._dead_error is not None:
             return {}
@@ -317,13 +319,20 @@ class MPClient(EngineCoreClient):
             if health is None:
                 continue  # no heartbeat yet (an engine core without a watchdog sends none)
             silent_for = now - self._last_heard[rank]
+            silent = silent_for > timeout + heartbeat_interval_s(timeout)
             if health.stalled_for_s > 0:
                 stalled[rank] = health.reason
-            elif silent_for > timeout + heartbeat_interval_s(timeout):
+            elif silent:
                 stalled[rank] = (
                     f"engine {rank} stalled: no heartbeat for {silent_for:.0f}s "
                     "(its process may be frozen)"
                 )
+            if silent and rank not in self._silent:
+                self._silent.add(rank)
+                logger.warning("EngineCore %d sends no heartbeats: %s", rank, stalled[rank])
+            elif not silent and rank in self._silent:
+                self._silent.discard(rank)
+                logger.info("EngineCore %d is heard from again", rank)
         return stalled
 
     # ----------------------------------------------------------------------------- sending

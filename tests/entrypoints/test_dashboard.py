@@ -140,8 +140,9 @@ def server(tiny_llama_dir):
 
 
 @contextmanager
-def load(url: str, threads: int = 12) -> Iterator[threading.Event]:
-    """Completions back to back from `threads` clients until the block ends."""
+def load(url: str, threads: int = 12, ids: set[str] | None = None) -> Iterator[threading.Event]:
+    """Completions back to back from `threads` clients until the block ends (their response
+    ids added to `ids`)."""
     stop = threading.Event()
     errors: list[str] = []
 
@@ -154,6 +155,8 @@ def load(url: str, threads: int = 12) -> Iterator[threading.Event]:
                 r = http.post(f"{url}/v1/completions", json=body)
                 if r.status_code != 200:
                     errors.append(r.text)
+                elif ids is not None:
+                    ids.add(r.json()["id"])
                 n += 1
 
     workers = [threading.Thread(target=client, args=(i,)) for i in range(threads)]
@@ -195,7 +198,8 @@ def test_event_stream_follows_a_load_and_settles(server):
     assert name == "init"
     assert init["config"]["block_size"] == 16 and init["config"]["max_num_seqs"] == 16
     fields = init["fields"]
-    with load(server.url):
+    ids: set[str] = set()
+    with load(server.url, ids=ids):
         busy = []
         for _, update in events:
             (engine,) = update["engines"]
@@ -208,6 +212,9 @@ def test_event_stream_follows_a_load_and_settles(server):
     assert engine["health"] == "ok"
     assert _in_use(engine) > 0 and engine["kv_usage"] > 0
     assert {r[1] for r in engine["requests"]} <= {"RUNNING", "WAITING", "PREEMPTED"}
+    # Requests are named as their callers know them: the response id, "-<prompt index>".
+    shown = [r[0] for e, _ in busy for r in e["requests"]]
+    assert all(s.rsplit("-", 1)[0] in ids and s.rsplit("-", 1)[1].isdigit() for s in shown), shown
     assert any(p["model_ms"] is not None and p["model_ms"] > 0 for _, p in busy)
     assert any(p["ttft_p50"] is not None for _, p in busy)
     assert len({e["blocks"] for e, _ in busy}) > 1, "the block map moves under load"

@@ -6,6 +6,7 @@ end's missing-heartbeat rule are checked without processes."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import types
@@ -174,10 +175,11 @@ def _client_state(num_engines: int = 2) -> AsyncMPClient:
     client._engine_health = {}
     now = time.monotonic()
     client._last_heard = {rank: now for rank in range(num_engines)}
+    client._silent = set()
     return client
 
 
-def test_client_counts_a_silent_engine_as_stalled():
+def test_client_counts_a_silent_engine_as_stalled(caplog):
     client = _client_state()
     client._last_heard[1] -= 60
     assert client.stalled_engines == {}, "an engine that never sent a heartbeat sends none"
@@ -185,7 +187,15 @@ def test_client_counts_a_silent_engine_as_stalled():
     assert client.stalled_engines == {0: "engine 0 stalled: y"}
     client._engine_health[0] = EngineHealth()
     client._engine_health[1] = EngineHealth()  # its last heartbeat, a minute ago: frozen
-    stalled = client.stalled_engines
+    with caplog.at_level(logging.INFO, logger="pagedllm.engine.core_client"):
+        stalled = client.stalled_engines
+        assert client.stalled_engines == stalled  # polled again: logged once
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "EngineCore 1 sends no heartbeats" in warnings[0].message
+        client._last_heard[1] = time.monotonic()  # heard from again
+        assert client.stalled_engines == {}
+        assert "EngineCore 1 is heard from again" in caplog.records[-1].message
+        client._last_heard[1] -= 60
     assert list(stalled) == [1] and "no heartbeat" in stalled[1]
     client._dead_engines[1] = "gone"  # a dead engine is dead, not stalled
     assert client.stalled_engines == {}

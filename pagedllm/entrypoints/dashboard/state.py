@@ -23,6 +23,7 @@ from collections.abc import AsyncGenerator, Callable
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.engine import EngineSnapshot, SchedulerStats
+from pagedllm.engine.async_llm import caller_request_id
 from pagedllm.metrics.loggers import PrefixCacheRate
 from pagedllm.metrics.stats import IterationStats
 
@@ -129,8 +130,11 @@ class DashboardStatLogger:
         self.history.append(point)
         return point
 
-    def current(self, wall: float) -> dict[str, Any]:
-        """What the page shows besides the charts: block map, requests, counters."""
+    def current(
+        self, wall: float, caller_id: Callable[[str], str] = lambda request_id: request_id
+    ) -> dict[str, Any]:
+        """What the page shows besides the charts: block map, requests (named by
+        `caller_id` of the engine's request id), counters."""
         stats = self.scheduler_stats
         state: dict[str, Any] = {
             "kv_usage": stats.kv_cache_usage,
@@ -149,7 +153,7 @@ class DashboardStatLogger:
                 "num_waiting": snap.num_waiting,
                 "requests": [
                     [
-                        r.request_id,
+                        caller_id(r.request_id),
                         r.status,
                         r.num_prompt_tokens,
                         r.num_computed_tokens,
@@ -269,7 +273,7 @@ class Dashboard:
         return {
             "t": wall,
             "engines": [
-                {"point": point, "health": health[r], **lg.current(wall)}
+                {"point": point, "health": health[r], **lg.current(wall, caller_request_id)}
                 for r, (lg, point) in enumerate(zip(self.loggers, points))
             ],
         }
