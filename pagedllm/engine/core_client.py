@@ -41,7 +41,7 @@ from pagedllm.engine import (
     EngineCoreRequestType,
     EngineHealth,
 )
-from pagedllm.engine.core_proc import ENGINE_DEAD_CALL_ID
+from pagedllm.engine.core_proc import ENGINE_DEAD_CALL_ID, SIGNAL_STOP_NOTICE
 from pagedllm.engine.exceptions import EngineDeadError
 from pagedllm.engine.load_balancer import DPLoadBalancer
 from pagedllm.engine.stall import heartbeat_interval_s
@@ -508,6 +508,10 @@ class MPClient(EngineCoreClient):
         if call_id == ENGINE_DEAD_CALL_ID:
             if self._resources.stop_reader.is_set():
                 return  # we are stopping the engines ourselves
+            if error == SIGNAL_STOP_NOTICE:  # stopped (a Ctrl-C reaches us too), not failed
+                logger.warning("EngineCore %d was stopped by a signal", rank)
+                self._engine_died(rank, error)
+                return
             logger.error("EngineCore %d reported a fatal error: %s", rank, error)
             self._engine_died(rank, f"fatal error in the engine: {error}")
             return
@@ -557,7 +561,8 @@ class MPClient(EngineCoreClient):
         if self._dead_error is not None:
             return
         self._dead_error = error
-        logger.error("EngineCore is dead: %s", error)
+        stopped = SIGNAL_STOP_NOTICE in str(error)  # by a signal: no failure to report
+        (logger.warning if stopped else logger.error)("EngineCore is dead: %s", error)
         with self._calls_lock:
             pending, self._pending_calls = self._pending_calls, {}
         for future, _ in pending.values():

@@ -66,6 +66,9 @@ from pagedllm.worker.cpu_binding import CPU_BIND_ENV, plan_cpu_binding
 logger = logging.getLogger(__name__)
 
 ENGINE_DEAD_CALL_ID = -1
+# The dead notice of an engine stopped by SIGTERM / SIGINT: stopped, not failed (a Ctrl-C in
+# a terminal signals the front end and its engines at once).
+SIGNAL_STOP_NOTICE = "engine core stopped by a signal (SIGTERM / SIGINT)"
 # How often the input thread and the parent watchdog wake up to check for shutdown.
 _POLL_INTERVAL_S = 0.2
 # Grace period for a clean exit after the parent died before the process is cut off hard.
@@ -618,7 +621,7 @@ def run_engine_core(
         procs[0].run_busy_loop()
         if signalled:
             logger.info("EngineCore received a termination signal; shutting down")
-            procs[0].send_dead_notice("engine core stopped by a signal (SIGTERM / SIGINT)")
+            procs[0].send_dead_notice(SIGNAL_STOP_NOTICE)
     except SystemExit:
         logger.info("EngineCore start-up interrupted by a signal")
     except BaseException as e:

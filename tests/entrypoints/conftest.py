@@ -64,11 +64,19 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class RemoteServer:
     """`pagedllm serve MODEL ARGS` on 127.0.0.1:<free port>. `stop()` (SIGTERM, then SIGKILL)
     is idempotent; use as a context manager so the process never outlives its test."""
 
-    def __init__(self, model: str, args: list[str], timeout: float = 240.0) -> None:
+    def __init__(
+        self, model: str, args: list[str], timeout: float = 240.0, own_group: bool = False
+    ) -> None:
+        """`own_group`: the server leads its own process group with Ctrl-C's default action,
+        as a terminal's foreground job (then `os.killpg(proc.pid, SIGINT)` is a Ctrl-C)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="pagedllm-serve-", suffix=".log")
@@ -78,7 +86,13 @@ class RemoteServer:
         cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", model]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(
-            cmd, cwd=REPO_ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT
+            cmd,
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=own_group,
+            preexec_fn=_default_sigint if own_group else None,
         )
         try:
             self._wait_ready(timeout)

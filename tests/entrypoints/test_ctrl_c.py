@@ -1,0 +1,23 @@
+"""Ctrl-C in the terminal running `pagedllm serve`: SIGINT reaches the whole process group
+(the API server and its engine core at once). The server stops cleanly and its log reports
+no engine death and no error: the engine was stopped, it did not fail."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import httpx
+
+from tests.entrypoints.conftest import RemoteServer
+
+
+def test_ctrl_c_stops_quietly(tiny_llama_dir):
+    with RemoteServer(tiny_llama_dir, ["--max-model-len", "128"], own_group=True) as server:
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200
+        os.killpg(server.proc.pid, signal.SIGINT)
+        server.proc.wait(timeout=60)
+        log = server.logs()
+    for alarm in ("Traceback", "ERROR", "is dead", "fatal error"):
+        assert alarm not in log, log
