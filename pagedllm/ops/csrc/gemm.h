@@ -11,9 +11,9 @@
 // y[m, n] = sum_k x[m, k] w[n, k] + bias[n]: products exact in fp32, fp32 accumulation in an
 // order fixed by K alone (so a row's result never depends on the batch).
 //
-// Work: (row block of <= 96 rows) x (panel) items, split over ATen's threads. A thread keeps
-// its row block (x) in L2 while it walks panels; a panel K-chunk (<= 96 KB) is reread from
-// L2 by each 6-row tile.
+// Work: (row block of <= 96 rows) x (panel) items, split over ATen's threads (ops.cpp's
+// for_gemm_items). A thread keeps its row block (x) in L2 while it walks panels; a panel
+// K-chunk (<= 96 KB) is reread from L2 by each 6-row tile.
 #pragma once
 
 #include <immintrin.h>
@@ -139,18 +139,6 @@ PAGEDLLM_BF16_TARGET static void gemm_item(
       else
         static_cast<uint16_t*>(a.out)[m * a.ldo + n] = fp32_to_bf16(v);
     }
-  }
-}
-
-// Items [begin, end) of (row block, panel) pairs, row block major.
-PAGEDLLM_BF16_TARGET static void gemm_items(const GemmArgs& a, int64_t begin, int64_t end) {
-  const int64_t panels = (a.N + kPanel - 1) / kPanel;
-  const int64_t block = std::min(kRowBlock, a.M);
-  std::vector<float> c(block * kPanel);
-  for (int64_t i = begin; i < end; ++i) {
-    const int64_t mb = i / panels, p = i % panels;
-    const int64_t m0 = mb * block, m1 = std::min(a.M, m0 + block);
-    gemm_item(a, m0, m1, p, c.data());
   }
 }
 

@@ -105,16 +105,4 @@ PAGEDLLM_FMA_TARGET static void gemm_f32_item(const GemmF32Args& a, int64_t m0, 
   }
 }
 
-// Items [begin, end) of (row block, panel) pairs, row block major.
-PAGEDLLM_FMA_TARGET static void gemm_f32_items(const GemmF32Args& a, int64_t begin, int64_t end) {
-  const int64_t panels = (a.N + kPanel - 1) / kPanel;
-  const int64_t block = std::min(kRowBlock, a.M);
-  std::vector<float> c(block * kPanel);
-  for (int64_t i = begin; i < end; ++i) {
-    const int64_t mb = i / panels, p = i % panels;
-    const int64_t m0 = mb * block, m1 = std::min(a.M, m0 + block);
-    gemm_f32_item(a, m0, m1, p, c.data());
-  }
-}
-
 }  // namespace pagedllm

@@ -170,17 +170,4 @@ PAGEDLLM_VNNI_TARGET static void gemm_int8_item(const Int8GemmArgs& a, int64_t m
   }
 }
 
-// Items [begin, end) of (row block, panel) pairs, row block major.
-PAGEDLLM_VNNI_TARGET static void gemm_int8_items(const Int8GemmArgs& a, int64_t begin,
-                                                 int64_t end) {
-  const int64_t panels = (a.N + kPanel - 1) / kPanel;
-  const int64_t block = std::min(kRowBlock, a.M);
-  std::vector<int32_t> c(block * kPanel);
-  for (int64_t i = begin; i < end; ++i) {
-    const int64_t mb = i / panels, p = i % panels;
-    const int64_t m0 = mb * block;
-    gemm_int8_item(a, m0, std::min(a.M, m0 + block), p, c.data());
-  }
-}
-
 }  // namespace pagedllm

@@ -24,9 +24,30 @@ const uint16_t* bf16_ptr(const at::Tensor& t) {
 }
 uint16_t* bf16_mut(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
 
+void check_any_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
+}
+
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must be bfloat16");
-  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
+  check_any_rows(t, name);
+}
+
+// The panel GEMMs' work on ATen's threads: item(m0, m1, p, c) for every (row block, panel)
+// pair of an M x N product, row block major; c: a row block's accumulators (Acc, kPanel a
+// row), one buffer per thread.
+template <class Acc, class Item>
+void for_gemm_items(int64_t M, int64_t N, Item&& item) {
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  const int64_t block = std::min(kRowBlock, M);
+  const int64_t blocks = (M + block - 1) / block;
+  at::parallel_for(0, blocks * panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<Acc> c(block * kPanel);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t m0 = i / panels * block;
+      item(m0, std::min(M, m0 + block), i % panels, c.data());
+    }
+  });
 }
 
 // Rows per parallel chunk so that a chunk is worth a thread hand-off (~32k elements).
@@ -49,9 +70,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   if (M == 0) return out;
   GemmArgs a{bf16_ptr(x), M, K, x.stride(0), bf16_ptr(w), bias ? bf16_ptr(*bias) : nullptr,
              n, out.data_ptr(), out_fp32, n};
-  const int64_t panels = (n + kPanel - 1) / kPanel;
-  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
-  at::parallel_for(0, blocks * panels, 1, [&](int64_t b, int64_t e) { gemm_items(a, b, e); });
+  for_gemm_items<float>(M, n, [&](int64_t m0, int64_t m1, int64_t p, float* c) {
+    gemm_item(a, m0, m1, p, c);
+  });
   return out;
 }
 
@@ -72,9 +93,9 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optio
   if (M == 0) return out;
   GemmF32Args a{x.data_ptr<float>(), M, K, x.stride(0), w.data_ptr<float>(),
                 bias ? bias->data_ptr<float>() : nullptr, n, out.data_ptr<float>(), n};
-  const int64_t panels = (n + kPanel - 1) / kPanel;
-  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
-  at::parallel_for(0, blocks * panels, 1, [&](int64_t b, int64_t e) { gemm_f32_items(a, b, e); });
+  for_gemm_items<float>(M, n, [&](int64_t m0, int64_t m1, int64_t p, float* c) {
+    gemm_f32_item(a, m0, m1, p, c);
+  });
   return out;
 }
 
@@ -110,9 +131,9 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
                  M, Kq, K_pad, w.data_ptr<int8_t>(), w_scale.data_ptr<float>(),
                  colsum.data_ptr<int32_t>(), bias ? bf16_ptr(*bias) : nullptr, n,
                  out.data_ptr(), out_fp32, n};
-  const int64_t panels = (n + kPanel - 1) / kPanel;
-  const int64_t blocks = (M + kRowBlock - 1) / kRowBlock;
-  at::parallel_for(0, blocks * panels, 1, [&](int64_t b, int64_t e) { gemm_int8_items(a, b, e); });
+  for_gemm_items<int32_t>(M, n, [&](int64_t m0, int64_t m1, int64_t p, int32_t* c) {
+    gemm_int8_item(a, m0, m1, p, c);
+  });
   return out;
 }
 
@@ -128,9 +149,6 @@ void by_dtype(const at::Tensor& t, const char* name, F&& body) {
   body.template operator()<Bf16>();
 }
 
-void check_any_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
-}
 
 void check_like(const at::Tensor& t, const at::Tensor& like, const char* name) {
   TORCH_CHECK(t.scalar_type() == like.scalar_type(), name, " must have the input's dtype");
