@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from pagedllm.benchmarks.server_process import stop_process
+from pagedllm.benchmarks.server_process import stop_process, wait_healthy
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_ID = "soak-shared-id"  # reused by some good requests, concurrently
@@ -76,16 +76,11 @@ class Server:
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 600
-        while True:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start:\n{self.log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        try:
+            wait_healthy(self.url, self.proc, 600)
+        except (RuntimeError, TimeoutError) as e:
+            log = self.log_path.read_text()[-3000:]
+            raise RuntimeError(f"server did not start ({e}):\n{log}") from None
         self.engine_pid = engine_pid(self.proc.pid)
 
     def gauges(self) -> dict[str, float]:
