@@ -509,8 +509,7 @@ class MPClient(EngineCoreClient):
             if self._resources.stop_reader.is_set():
                 return  # we are stopping the engines ourselves
             if error == SIGNAL_STOP_NOTICE:  # stopped (a Ctrl-C reaches us too), not failed
-                logger.warning("EngineCore %d was stopped by a signal", rank)
-                self._engine_died(rank, error)
+                self._engine_died(rank, error, stopped=True)
                 return
             logger.error("EngineCore %d reported a fatal error: %s", rank, error)
             self._engine_died(rank, f"fatal error in the engine: {error}")
@@ -528,7 +527,7 @@ class MPClient(EngineCoreClient):
         where = f"data-parallel engine {rank}: " if self.num_engines > 1 else ""
         return EngineDeadError(f"({where}{reason})")
 
-    def _engine_died(self, rank: int, reason: str) -> None:
+    def _engine_died(self, rank: int, reason: str, stopped: bool = False) -> None:
         """Reader thread only. The last engine (or any, if the user asked to stop then) takes
         the whole client down; otherwise only its requests fail and the others serve on."""
         if rank in self._dead_engines or self._dead_error is not None:
@@ -539,9 +538,9 @@ class MPClient(EngineCoreClient):
         error = self._engine_error(rank, reason)
         alive = self.num_engines - len(self._dead_engines)
         if alive == 0 or self._stop_on_engine_death:
-            self._mark_dead(error)
+            self._mark_dead(error, stopped)
             return
-        logger.error(
+        (logger.warning if stopped else logger.error)(
             "Data-parallel engine %d died (%s); serving on the other %d", rank, reason, alive
         )
         failed = [rid for rid, r in list(self._request_engines.items()) if r == rank]
@@ -557,11 +556,11 @@ class MPClient(EngineCoreClient):
             EngineCoreOutputs(engine_index=rank, errored_requests={rid: text for rid in failed})
         )
 
-    def _mark_dead(self, error: EngineDeadError) -> None:
+    def _mark_dead(self, error: EngineDeadError, stopped: bool = False) -> None:
+        """`stopped`: by a signal (a warning; nothing failed)."""
         if self._dead_error is not None:
             return
         self._dead_error = error
-        stopped = SIGNAL_STOP_NOTICE in str(error)  # by a signal: no failure to report
         (logger.warning if stopped else logger.error)("EngineCore is dead: %s", error)
         with self._calls_lock:
             pending, self._pending_calls = self._pending_calls, {}

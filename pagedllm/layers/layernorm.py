@@ -17,7 +17,7 @@ class RMSNorm(nn.Module):
     `forward(x)` returns the normalized x; `forward(x, residual)` first adds `residual` to x and
     returns `(normalized sum, sum)`: the sum is the next residual stream. bf16 rows on the CPU
     take the native kernel (one pass, same roundings; the residual is updated in place); so do
-fp32 rows (the sum of squares in another order: within a few ulps of this code).
+    fp32 rows (the sum of squares in another order: within a few ulps of this code).
     `batch_invariant` (set by `make_batch_invariant_`): the PyTorch path with a sequential
     sum of squares.
     """

@@ -131,9 +131,7 @@ class OpenAIServing:
                 request_id, prompt, params, None, request.priority
             )
         except ValueError as e:  # a ParamValueError names its field
-            request_param = getattr(request, "request_param", None)
-            param = getattr(e, "param", None)
-            raise OpenAIError(str(e), param=request_param(param) if request_param else param) from e
+            raise OpenAIError(str(e), param=request.request_param(getattr(e, "param", None))) from e
         return params, processed
 
     async def generate(
