@@ -25,7 +25,7 @@ import sys
 from collections.abc import AsyncGenerator, Awaitable
 from contextlib import asynccontextmanager
 from http import HTTPStatus
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -68,6 +68,9 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.starting import answering_while_starting
+
+if TYPE_CHECKING:
+    from pagedllm.entrypoints.openai.api_server_procs import StartGate
 
 logger = logging.getLogger(__name__)
 
@@ -336,6 +339,10 @@ def build_app(
                     log_requests=log_requests_enabled(args),
                     client_config=client_config,
                 )
+            gate = getattr(app.state, "start_gate", None)
+            if gate is not None:  # one of several API servers: open together
+                gate.arrive()
+                await gate.wait_all()
         else:
             the_engine = engine
         watchdog = dashboard = None
@@ -402,11 +409,13 @@ def run_server(
     args: argparse.Namespace,
     sock: socket.socket | None = None,
     client_config: ClientConfig | None = None,
+    start_gate: StartGate | None = None,
 ) -> int:
     """Serve until SIGTERM / Ctrl-C, or until the engine dies; the engine process is stopped
     before this returns the exit status (EXIT_CODE_ENGINE_DEAD after an engine death).
     `sock`: a bound socket to serve on, the caller's (several API server processes share
-    one); default: one bound here to --host / --port. `client_config` as in `build_app`."""
+    one); default: one bound here to --host / --port. `client_config` as in `build_app`;
+    `start_gate`: the siblings' (api_server_procs.py), to start accepting together."""
     import uvicorn
 
     own_sock = sock is None
@@ -427,6 +436,7 @@ def run_server(
     app.state.request_shutdown = lambda: setattr(server, "should_exit", True)
     app.state.server_should_exit = lambda: server.should_exit
     app.state.listen_socket = sock
+    app.state.start_gate = start_gate
     try:
         server.run(sockets=[sock])
     finally:

@@ -6,11 +6,18 @@ engines for K front ends (engine/utils.py: `EngineLauncher`), and gives API serv
 addresses of its own input / output sockets (`ClientConfig`). Every API server talks to every
 engine. Their `/metrics` are shared through prometheus_client's multiprocess mode (see
 metrics/prometheus.py); the head sets `PROMETHEUS_MULTIPROC_DIR` before it starts them.
+
+The API servers open for business together (`StartGate`): while one still loads, its port
+answers 503 "starting" (starting.py), and on a shared socket that responder would take some
+of the connections meant for a sibling that is already up. So each server stops its responder,
+then waits until every sibling has too, and only then starts accepting; connections made in
+between wait in the socket's backlog.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -28,6 +35,38 @@ from pagedllm.spawn import main_module_hidden
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.5
+_GATE_POLL_S = 0.01
+# How long a server that is ready waits for slow siblings before it serves anyway.
+_GATE_TIMEOUT_S = 120.0
+
+
+class StartGate:
+    """A count shared by the API server processes: `arrive()` when this server's "starting"
+    responder is closed; `wait_all()` until all `parties` have arrived (or the time-out)."""
+
+    def __init__(self, ctx: Any, parties: int) -> None:
+        self.parties = parties
+        self._count = ctx.Value("i", 0)
+
+    def arrive(self) -> None:
+        with self._count.get_lock():
+            self._count.value += 1
+
+    async def wait_all(self, timeout_s: float = _GATE_TIMEOUT_S) -> bool:
+        """True once every server arrived; False after `timeout_s` (then serve anyway: a
+        sibling that hangs must not keep this one closed; the head stops one that dies)."""
+        deadline = time.monotonic() + timeout_s
+        while self._count.value < self.parties:
+            if time.monotonic() > deadline:
+                logger.warning(
+                    "%d of %d API servers are up after %.0f s; serving without the others",
+                    self._count.value,
+                    self.parties,
+                    timeout_s,
+                )
+                return False
+            await asyncio.sleep(_GATE_POLL_S)
+        return True
 
 
 def _stop_procs(procs: list[Any], grace_s: float) -> None:
@@ -56,11 +95,13 @@ class APIServerProcessManager:
         self, args: argparse.Namespace, sock: socket.socket, client_configs: list[ClientConfig]
     ) -> None:
         ctx = multiprocessing.get_context("spawn")
+        # Held here: the children rebuild its lock by name after they start.
+        self.gate = gate = StartGate(ctx, len(client_configs))
         self.procs = [
             ctx.Process(
                 target=run_api_server_worker,
                 name=f"APIServer_{config.client_index}",
-                args=(args, sock, config, os.getpid()),
+                args=(args, sock, config, os.getpid(), gate),
             )
             for config in client_configs
         ]
@@ -97,11 +138,15 @@ def _parent_watchdog(parent_pid: int) -> None:
 
 
 def run_api_server_worker(
-    args: argparse.Namespace, sock: socket.socket, client_config: ClientConfig, parent_pid: int
+    args: argparse.Namespace,
+    sock: socket.socket,
+    client_config: ClientConfig,
+    parent_pid: int,
+    gate: StartGate,
 ) -> None:
     """Entry point of one API server process: the usual server, on the shared socket, with an
-    AsyncLLM that reaches the head's engines through `client_config`; exits with
-    `run_server`'s status."""
+    AsyncLLM that reaches the head's engines through `client_config`, opening with its
+    siblings through `gate`; exits with `run_server`'s status."""
     from pagedllm.entrypoints.openai.api_server import run_server
 
     logging.basicConfig(
@@ -110,4 +155,4 @@ def run_api_server_worker(
         "pid=%(process)d] %(name)s: %(message)s",
     )
     threading.Thread(target=_parent_watchdog, args=(parent_pid,), daemon=True).start()
-    raise SystemExit(run_server(args, sock, client_config))
+    raise SystemExit(run_server(args, sock, client_config, gate))
