@@ -7,8 +7,9 @@ Three layouts, chosen per weight by `pack_linear_weight_` (called by the layers'
   weights on CPUs with AVX512-BF16 and without AMX (AMD Zen 4/5, Intel Cooper Lake). One
   layout serves every batch size: it streams the weights at memory bandwidth for decode-sized
   batches (oneDNN reaches ~40-60% of it at M = 1) and matches oneDNN's throughput for large
-  ones. int8 weights (`weight_scale` set, `layers/quantization.py`) go to the W8A8 kernel on
-  any CPU with AVX512-VNNI (`weight_colsum` beside them). fp32 weights on AVX2 + FMA CPUs
+  ones. int8 weights (`weight_scale` set, `layers/quantization.py`) go to the W8A8 kernel
+  (`weight_colsum` beside them), with AVX512-VNNI or, without it, AVX2: in a bf16 or an fp32
+  model. fp32 weights on AVX2 + FMA CPUs
   without AVX-512 (`gemm_f32.h`): there oneDNN streams the weights at ~35-65% of the memory
   bandwidth at decode sizes; with AVX-512, oneDNN's wider FMAs are kept. The fp32 panels
   compute a row's result in an order fixed by K (batch-invariant, like the bf16 ones).
@@ -67,13 +68,14 @@ def _onednn_packing() -> bool:
 @functools.cache
 def _panel_ops(dtype: torch.dtype):
     """The native ops when this CPU runs the panel GEMM for this weight dtype, else None.
-    bf16: AVX512-BF16 without AMX (with AMX oneDNN is better); int8: AVX512-VNNI; fp32: AVX2
-    + FMA without AVX-512 (where oneDNN has wider vectors; see the module docstring)."""
+    bf16: AVX512-BF16 without AMX (with AMX oneDNN is better); int8: AVX512-VNNI, else AVX2;
+    fp32: AVX2 + FMA without AVX-512 (where oneDNN has wider vectors; see the module
+    docstring)."""
     ops = cpu_ops()
     if ops is None:
         return None
     if dtype == torch.int8:
-        return ops if ops.cpu_has_avx512_vnni() else None
+        return ops if ops.cpu_has_avx512_vnni() or ops.cpu_has_avx2_fma() else None
     if dtype == torch.float32:
         return ops if ops.cpu_has_avx2_fma() and not torch.cpu._is_avx512_supported() else None
     if not ops.cpu_has_avx512_bf16() or torch.cpu._is_amx_tile_supported():
@@ -94,9 +96,13 @@ def can_use_panels(weight: torch.Tensor) -> bool:
     )
 
 
-def _panel_activation_dtype(weight_dtype: torch.dtype) -> torch.dtype:
-    """The activations' dtype each panel kernel multiplies (int8 weights take bf16 x)."""
-    return torch.float32 if weight_dtype == torch.float32 else torch.bfloat16
+def _panel_activation_dtypes(weight_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The activations' dtypes each panel kernel multiplies (int8 weights take either)."""
+    return {
+        torch.float32: (torch.float32,),
+        torch.bfloat16: (torch.bfloat16,),
+        torch.int8: (torch.bfloat16, torch.float32),
+    }[weight_dtype]
 
 
 def to_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -129,7 +135,7 @@ def pack_linear_weight_(module: torch.nn.Module, keep_plain: bool = False) -> No
     rows up in it). No-op where no packing applies."""
     weight = module.weight.data
     activations = getattr(module, "activation_dtype", weight.dtype)
-    if can_use_panels(weight) and activations == _panel_activation_dtype(weight.dtype):
+    if can_use_panels(weight) and activations in _panel_activation_dtypes(weight.dtype):
         # Buffers (not plain attributes): torch.compile then takes them as inputs of one graph
         # for every layer instead of constants that differ per layer.
         panels = to_panels(weight)

@@ -15,8 +15,8 @@ whole: the layers' plain weights are replaced before loading, while still unwrit
 At run time each row of the input is quantized to uint8 over its own range
 (`quantize_activations`) and multiplied in exact integer arithmetic (`int8_linear`, the
 reference; the native kernel, `pagedllm/ops/csrc/gemm_int8.h`, computes the same numbers with
-AVX512-VNNI). A row's result depends on that row alone. Tied embeddings stay unquantized (the
-table is also read as rows).
+AVX512-VNNI, or with AVX2 on CPUs without it). A row's result depends on that row alone. Tied
+embeddings stay unquantized (the table is also read as rows).
 """
 
 from __future__ import annotations

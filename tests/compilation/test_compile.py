@@ -25,7 +25,9 @@ def dynamo_reset():
     torch._dynamo.reset()
 
 
-def test_compiled_engine_keeps_greedy_output(tmp_path, monkeypatch, dynamo_reset):
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_compiled_engine_keeps_greedy_output(quantization, tmp_path, monkeypatch, dynamo_reset):
+    """fp32, and int8 weights in an fp32 model (the native GEMMs are opaque calls with fakes)."""
     from pagedllm import LLM, SamplingParams
 
     monkeypatch.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")
@@ -35,7 +37,13 @@ def test_compiled_engine_keeps_greedy_output(tmp_path, monkeypatch, dynamo_reset
     )
     prompts = [[5, 6, 7, 8, 9], list(range(20, 41)), [3]]
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    kwargs = dict(model=model_dir, dtype="float32", num_gpu_blocks_override=32, max_model_len=64)
+    kwargs = dict(
+        model=model_dir,
+        dtype="float32",
+        num_gpu_blocks_override=32,
+        max_model_len=64,
+        quantization=quantization,
+    )
     eager = LLM(**kwargs).generate([{"prompt_token_ids": p} for p in prompts], params)
     llm = LLM(
         compilation_config={"level": 3, "backend": "eager", "cache_dir": str(tmp_path / "c")},

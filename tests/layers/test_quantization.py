@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers import linear as linear_mod
+from pagedllm.layers.cpu_gemm import from_panels
 from pagedllm.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -40,17 +41,17 @@ def test_unknown_method_is_a_clear_error():
         check_quantization("fp4")
 
 
-def _layers(tp: int, rank: int, monkeypatch):
-    """The linear layers of one block, built as rank `rank` of `tp`."""
+def _layers(tp: int, rank: int, monkeypatch, dtype: torch.dtype = torch.bfloat16):
+    """The linear layers of one block in a `dtype` model, built as rank `rank` of `tp`."""
     monkeypatch.setattr(linear_mod, "get_tp_world_size", lambda: tp)
     monkeypatch.setattr(linear_mod, "get_tp_rank", lambda: rank)
     with torch.device("cpu"):
         model = nn.ModuleDict(
             {
-                "qkv": QKVParallelLinear(64, 16, 4, 2, params_dtype=torch.bfloat16),
-                "gate_up": MergedColumnParallelLinear(64, [96, 96], params_dtype=torch.bfloat16),
-                "down": RowParallelLinear(96, 64, params_dtype=torch.bfloat16),
-                "proj": ReplicatedLinear(64, 32, params_dtype=torch.bfloat16),
+                "qkv": QKVParallelLinear(64, 16, 4, 2, params_dtype=dtype),
+                "gate_up": MergedColumnParallelLinear(64, [96, 96], params_dtype=dtype),
+                "down": RowParallelLinear(96, 64, params_dtype=dtype),
+                "proj": ReplicatedLinear(64, 32, params_dtype=dtype),
             }
         )
     return quantize_model_(model, "int8")
@@ -74,8 +75,13 @@ def _load(model: nn.ModuleDict) -> None:
             weight.weight_loader(weight, tensor, shard_id)
 
 
-def _dequantized(layer) -> torch.Tensor:
-    return layer.weight.float() * layer.weight_scale[:, None]
+def _dequantized(layer, k: int = 64) -> torch.Tensor:
+    """The layer's weight as its int8 values times their scales (from its panels, of `k`
+    inputs, once packed)."""
+    q = layer.weight
+    if getattr(layer, "weight_panels", None) is not None:
+        q = from_panels(layer.weight_panels, layer.weight_out_features, k)
+    return q.float() * layer.weight_scale[:, None]
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -125,48 +131,38 @@ def test_quantize_activations_bounds_the_error():
 
 
 def _int8_outputs(x, panels: bool, monkeypatch):
-    """(the block's layers that take 64 inputs, their outputs on x) through the panel kernel
-    or the PyTorch reference."""
+    """(the block's layers that take 64 inputs, in a model of x's dtype, their outputs on x)
+    through the panel kernel or the PyTorch reference."""
     monkeypatch.setenv("PAGEDLLM_CPU_PACK_WEIGHTS", "1" if panels else "0")
-    model = _layers(1, 0, monkeypatch)
+    model = _layers(1, 0, monkeypatch, x.dtype)
     _load(model)
     del model["down"]
     for layer in model.values():
         layer.process_weights_after_loading()
     has_panels = getattr(model["qkv"], "weight_panels", None) is not None
     if panels and not has_panels:
-        pytest.skip("no AVX512-VNNI int8 kernel on this CPU")
+        pytest.skip("no int8 kernel on this CPU (it needs AVX2)")
     assert has_panels == panels
     return model, {name: layer(x) for name, layer in model.items()}
 
 
-def test_int8_linear_is_within_the_activation_quantization_error(monkeypatch):
-    x = torch.randn(5, 64).to(torch.bfloat16)
-    model, outs = _int8_outputs(x, False, monkeypatch)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("panels", [False, True])
+def test_int8_linear_is_within_the_activation_quantization_error(panels, dtype, monkeypatch):
+    x = torch.randn(5, 64).to(dtype)
+    model, outs = _int8_outputs(x, panels, monkeypatch)
     for name, y in outs.items():
-        assert y.dtype == torch.bfloat16
+        assert y.dtype == dtype and model[name].weight.dtype == torch.int8
         _within_activation_quantization_error(y, x, _dequantized(model[name]))
 
 
-def test_int8_panel_kernel_equals_the_reference(monkeypatch):
-    x = torch.randn(7, 64).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_panel_kernel_equals_the_reference(dtype, monkeypatch):
+    x = torch.randn(7, 64).to(dtype)
     _, fast = _int8_outputs(x, True, monkeypatch)
     _, ref = _int8_outputs(x, False, monkeypatch)
     for name in ref:
         assert torch.equal(fast[name], ref[name]), name
-
-
-def test_int8_in_an_fp32_model_takes_the_reference_path():
-    with torch.device("cpu"):
-        layer = quantize_model_(nn.ModuleList([ReplicatedLinear(64, 32)]), "int8")[0]
-    w = torch.randn(32, 64)
-    layer.weight.weight_loader(layer.weight, w)
-    layer.process_weights_after_loading()
-    assert getattr(layer, "weight_panels", None) is None and layer.weight.dtype == torch.int8
-    x = torch.randn(3, 64)
-    y = layer(x)
-    assert y.dtype == torch.float32
-    _within_activation_quantization_error(y, x, _dequantized(layer))
 
 
 def test_lm_head_scales_follow_its_vocab_rows():
@@ -177,13 +173,15 @@ def test_lm_head_scales_follow_its_vocab_rows():
     torch.testing.assert_close(_dequantized(head), w, atol=0.05, rtol=0)
 
 
-def test_engine_int8_agrees_with_bf16_on_a_trained_model(copy_model_dir, monkeypatch):
-    """Greedy int8 vs bf16 over a fixed seeded prompt set of the trained copy model: the
-    tokens before each request's first disagreement (which sends the two continuations apart,
-    so every later token of it counts as disagreeing). Issue #12 asks for 95%: measured 98.4%
-    where bf16 runs the AVX512-BF16 panel kernels, 92.4% on an AVX2-only CPU (plain bf16
-    F.linear; there fp32 int8 agrees 98.4% with fp32, bf16 alone 100%: the two roundings add
-    up). The floor asserted is the one every CPU kind meets."""
+@pytest.mark.parametrize("dtype,floor", [("bfloat16", 0.90), ("float32", 0.95)])
+def test_engine_int8_agrees_with_the_unquantized_model(dtype, floor, copy_model_dir, monkeypatch):
+    """Greedy int8 vs the same model unquantized in `dtype`, over a fixed seeded prompt set of
+    the trained copy model: the tokens before each request's first disagreement (which sends
+    the two continuations apart, so every later token of it counts as disagreeing). Issue #12
+    asks for 95% against bf16. Measured: 98.4% where bf16 runs the AVX512-BF16 panel kernels;
+    on an AVX2-only CPU (where `dtype="auto"` is fp32) 98.4% against fp32 and 92.4% against
+    bf16, whose plain F.linear rounds differently from int8's fp32 epilogue (the two
+    roundings add up). The bf16 floor is the one every CPU kind meets."""
     from pagedllm import LLM, SamplingParams
     from pagedllm.testing.copy_model import copy_prompts
     from pagedllm.transformers_utils.tokenizer import get_tokenizer
@@ -193,7 +191,7 @@ def test_engine_int8_agrees_with_bf16_on_a_trained_model(copy_model_dir, monkeyp
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outs = {}
     for q in (None, "int8"):
-        llm = LLM(model=copy_model_dir, dtype="bfloat16", quantization=q, kv_cache_memory=16 << 20)
+        llm = LLM(model=copy_model_dir, dtype=dtype, quantization=q, kv_cache_memory=16 << 20)
         got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         outs[q] = [o.outputs[0].token_ids for o in got]
         llm.shutdown()
@@ -202,4 +200,4 @@ def test_engine_int8_agrees_with_bf16_on_a_trained_model(copy_model_dir, monkeyp
         first_diff = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
         agree += first_diff
         total += len(a)
-    assert agree / total >= 0.90, (agree, total)
+    assert agree / total >= floor, (agree, total)

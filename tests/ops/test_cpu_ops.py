@@ -27,9 +27,6 @@ needs_bf16 = pytest.mark.skipif(
 needs_avx2 = pytest.mark.skipif(
     ops is None or not ops.cpu_has_avx2_fma(), reason="no AVX2 + FMA on this CPU"
 )
-needs_vnni = pytest.mark.skipif(
-    ops is None or not ops.cpu_has_avx512_vnni(), reason="no AVX512-VNNI on this CPU"
-)
 BF16 = torch.bfloat16
 
 
@@ -79,25 +76,29 @@ def test_linear_bf16(m, n, k):
         torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol * 4)
 
 
-@needs_vnni
-@pytest.mark.parametrize("m", [1, 5, 6, 7, 97, 200])
+@needs_avx2
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 97, 200])
 @pytest.mark.parametrize("n,k", [(1, 1), (64, 64), (100, 770), (130, 3001), (1280, 96)])
-def test_linear_int8_equals_the_reference(m, n, k):
-    """The W8A8 kernel computes `int8_linear`'s numbers exactly (integer sums, the same float
-    steps), for K not a multiple of 4, partial panels, bias or none, either output dtype."""
+def test_linear_int8_equals_the_reference(m, n, k, dtype):
+    """The W8A8 kernel (AVX512-VNNI where the CPU has it, else AVX2) computes `int8_linear`'s
+    numbers exactly (integer sums, the same float steps), for bf16 and fp32 activations, K not
+    a multiple of 4 or of the kernels' K chunks, partial panels, bias or none, either output
+    dtype, row tiles and their leftovers."""
     g = torch.Generator().manual_seed(m * 1000 + n + k)
-    x = (torch.randn(m, k, generator=g) * 3).to(BF16)
+    x = (torch.randn(m, k, generator=g) * 3).to(dtype)
     x[0] = x[0].abs()  # a row without negatives (zero point 0), and one of zeros (span 0)
     if m > 1:
         x[-1] = 0
     q, scale = quantize_rows(torch.randn(n, k, generator=g))
-    bias = torch.randn(n, generator=g).to(BF16)
+    bias = torch.randn(n, generator=g).to(dtype)
     panels = to_panels(q)
     colsum = F.pad(q.sum(dim=1, dtype=torch.int32), (0, panels.shape[0] * 64 - n))
     for out_fp32, b in ((False, bias), (True, None), (True, bias)):
         y = ops.linear_int8(x, panels, scale, colsum, b, n, out_fp32)
-        dtype = torch.float32 if out_fp32 else BF16
-        assert torch.equal(y, int8_linear(x, q, scale, b, dtype))
+        out_dtype = torch.float32 if out_fp32 else dtype
+        assert y.dtype == out_dtype
+        assert torch.equal(y, int8_linear(x, q, scale, b, out_dtype))
 
 
 @needs_bf16
@@ -108,7 +109,7 @@ def test_linear_reads_strided_rows():
     torch.testing.assert_close(y, F.linear(x.float(), w.float()), rtol=1e-4, atol=1e-4)
 
 
-@needs_vnni
+@needs_avx2
 def test_linear_int8_reads_strided_rows():
     x = torch.randn(5, 96).to(BF16)[:, :64]  # rows 96 apart
     q, scale = quantize_rows(torch.randn(32, 64))

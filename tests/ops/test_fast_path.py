@@ -25,7 +25,8 @@ def _generate(model_dir, prompts, kernels: bool, monkeypatch, panels=None, logpr
     monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "1" if kernels else "0")
     _forget_ops()
     try:
-        llm = LLM(model=model_dir, dtype="bfloat16", kv_cache_memory=16 << 20, **kw)
+        kw.setdefault("dtype", "bfloat16")
+        llm = LLM(model=model_dir, kv_cache_memory=16 << 20, **kw)
         runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
         assert (runner.attn_backend.name == "cpu") == kernels
         if panels is not None:
@@ -51,10 +52,9 @@ def test_trained_model_same_greedy_tokens(copy_model_dir, monkeypatch):
     assert fast == _generate(copy_model_dir, prompts, False, monkeypatch)
 
 
-@pytest.mark.skipif(
-    cpu_ops() is None or not cpu_ops().cpu_has_avx512_vnni(), reason="no AVX512-VNNI here"
-)
-def test_int8_kernel_same_greedy_tokens_as_its_reference(copy_model_dir, monkeypatch):
+@pytest.mark.skipif(cpu_ops() is None or not cpu_ops().cpu_has_avx2_fma(), reason="no AVX2 here")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_int8_kernel_same_greedy_tokens_as_its_reference(dtype, copy_model_dir, monkeypatch):
     """The W8A8 kernel against `int8_linear` (`PAGEDLLM_CPU_PACK_WEIGHTS=0`), the other native
     ops on in both runs. (Against the whole pure path int8 is not token-exact: the native
     RMSNorm differs from PyTorch's by a bf16 step at times, which can move a row's quantized
@@ -63,9 +63,10 @@ def test_int8_kernel_same_greedy_tokens_as_its_reference(copy_model_dir, monkeyp
     from pagedllm.transformers_utils.tokenizer import get_tokenizer
 
     prompts = copy_prompts(get_tokenizer(copy_model_dir), 12, 40, seed=2)
-    fast = _generate(copy_model_dir, prompts, True, monkeypatch, True, quantization="int8")
+    kw = dict(quantization="int8", dtype=dtype)
+    fast = _generate(copy_model_dir, prompts, True, monkeypatch, True, **kw)
     monkeypatch.setenv("PAGEDLLM_CPU_PACK_WEIGHTS", "0")
-    ref = _generate(copy_model_dir, prompts, True, monkeypatch, False, quantization="int8")
+    ref = _generate(copy_model_dir, prompts, True, monkeypatch, False, **kw)
     assert fast == ref
 
 

@@ -1,5 +1,6 @@
-// int8 linear layers with AVX512-VNNI (vpdpbusd): int8 weights, activations quantized per row
-// on the fly (W8A8, dynamic per token), exact int32 dot products.
+// int8 linear layers: int8 weights, activations quantized per row on the fly (W8A8, dynamic
+// per token), exact int32 dot products. Two kernels on one layout: AVX512-VNNI (vpdpbusd) and
+// AVX2 (vpmaddwd on int16, for CPUs without AVX512-VNNI); both compute the same int32 sums.
 //
 // Weights: q[n, k] int8 with a float32 scale per output channel (layers/quantization.py),
 // packed [N_pad / 64][K_pad / 4][64][4]: a "panel" of 64 output channels over all of K, each
@@ -7,13 +8,14 @@
 // 64-byte vectors that vpdpbusd multiplies by a broadcast quad of x. K is padded with zero
 // weights to a multiple of 4. colsum[n] = sum_k q[n, k].
 //
-// Activations: each row of x (bf16) is quantized asymmetrically to uint8 over [min(x, 0),
-// max(x, 0)]: inv = 255 / span, zero = rint(-lo * inv), xq = clamp(rint(x * inv) + zero,
-// 0, 255), scale = span / 255 (so x ~= scale * (xq - zero)). Then
+// Activations: each row of x (bf16 or fp32) is quantized asymmetrically to uint8 over
+// [min(x, 0), max(x, 0)]: inv = 255 / span, zero = rint(-lo * inv), xq = clamp(rint(x * inv)
+// + zero, 0, 255), scale = span / 255 (so x ~= scale * (xq - zero)). Then
 //   y[m, n] = float(sum_k (xq[m, k] - zero[m]) q[n, k]) * scale[m] * wscale[n] + bias[n],
 // the sum exact in int32 (two's complement wraps cancel: the true value fits for K <= 65536),
-// so a row's result depends on that row alone, whatever the batch. `quantize_activations` in
-// layers/quantization.py computes the same values in PyTorch (the reference).
+// so a row's result depends on that row alone, whatever the batch or the kernel.
+// `quantize_activations` in layers/quantization.py computes the same values in PyTorch (the
+// reference).
 //
 // Work is split as in gemm.h: (row block) x (panel) items over ATen's threads.
 #pragma once
@@ -23,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "common.h"
@@ -44,20 +47,21 @@ struct Int8GemmArgs {
   const int8_t* w;        // packed panels
   const float* w_scale;   // [N]
   const int32_t* colsum;  // [N_pad]
-  const uint16_t* bias;   // [N] bf16 or nullptr
+  const void* bias;       // [N] in x's dtype, or nullptr
   int64_t N;
-  void* out;              // [M, ldo] bf16 or fp32
+  void* out;              // [M, ldo] fp32 (out_fp32) or x's dtype
   bool out_fp32;
   int64_t ldo;
 };
 
-// One row of x (bf16, K values) -> xq (K_pad bytes, padding zeroed), its scale and zero.
-PAGEDLLM_CLONES static void quantize_row_u8(const uint16_t* x, int64_t K, int64_t K_pad,
-                                            uint8_t* xq, float* scale, int32_t* zero) {
+// One row of x (K values) -> xq (K_pad bytes, padding zeroed), its scale and zero.
+template <class E>
+static inline __attribute__((always_inline)) void quantize_row_u8_t(
+    const typename E::T* x, int64_t K, int64_t K_pad, uint8_t* xq, float* scale, int32_t* zero) {
   float lo = 0.f, hi = 0.f;
 #pragma omp simd reduction(min : lo) reduction(max : hi)
   for (int64_t k = 0; k < K; ++k) {
-    const float v = bf16_to_fp32(x[k]);
+    const float v = E::load(x[k]);
     lo = std::min(lo, v);
     hi = std::max(hi, v);
   }
@@ -67,13 +71,62 @@ PAGEDLLM_CLONES static void quantize_row_u8(const uint16_t* x, int64_t K, int64_
   const float z = std::nearbyint(-lo * inv);
 #pragma omp simd
   for (int64_t k = 0; k < K; ++k) {
-    const float q = std::nearbyint(bf16_to_fp32(x[k]) * inv) + z;
+    const float q = std::nearbyint(E::load(x[k]) * inv) + z;
     xq[k] = static_cast<uint8_t>(std::min(255.f, std::max(0.f, q)));
   }
   for (int64_t k = K; k < K_pad; ++k) xq[k] = 0;
   *scale = span / 255.f;
   *zero = static_cast<int32_t>(z);
 }
+
+// The epilogue of rows [m0, m1) x panel p from their int32 sums c (kPanel a row): zero point,
+// scales, bias, store; the reference's float steps in its order.
+template <class E>
+static inline __attribute__((always_inline)) void int8_epilogue_t(
+    const Int8GemmArgs& a, int64_t m0, int64_t m1, int64_t p, const int32_t* c) {
+  const int64_t n0 = p * kPanel, valid = std::min(a.N - n0, kPanel);
+  const auto* bias = static_cast<const typename E::T*>(a.bias) + (a.bias ? n0 : 0);
+  const float* ws = a.w_scale + n0;
+  const int32_t* colsum = a.colsum + n0;
+  for (int64_t m = m0; m < m1; ++m) {
+    const int32_t* cr = c + (m - m0) * kPanel;
+    const int32_t zero = a.x_zero[m];
+    const float xs = a.x_scale[m];
+    float v[kPanel];
+#pragma omp simd
+    for (int64_t j = 0; j < valid; ++j) {
+      // Wrapping int32 arithmetic (as the vector code and torch's int32 ops compute it).
+      const uint32_t dot = static_cast<uint32_t>(cr[j]) -
+                           static_cast<uint32_t>(zero) * static_cast<uint32_t>(colsum[j]);
+      v[j] = static_cast<float>(static_cast<int32_t>(dot)) * xs * ws[j];
+    }
+    if (bias) {
+#pragma omp simd
+      for (int64_t j = 0; j < valid; ++j) v[j] = v[j] + E::load(bias[j]);
+    }
+    if (a.out_fp32) {
+      float* o = static_cast<float*>(a.out) + m * a.ldo + n0;
+      for (int64_t j = 0; j < valid; ++j) o[j] = v[j];
+    } else {
+      typename E::T* o = static_cast<typename E::T*>(a.out) + m * a.ldo + n0;
+#pragma omp simd
+      for (int64_t j = 0; j < valid; ++j) o[j] = E::store(v[j]);
+    }
+  }
+}
+
+#define PAGEDLLM_INT8_ROWS(E)                                                                 \
+  PAGEDLLM_CLONES static void quantize_row_u8(const E::T* x, int64_t K, int64_t K_pad,         \
+                                              uint8_t* xq, float* scale, int32_t* zero) {      \
+    quantize_row_u8_t<E>(x, K, K_pad, xq, scale, zero);                                       \
+  }                                                                                           \
+  PAGEDLLM_CLONES static void int8_epilogue(const Int8GemmArgs& a, E, int64_t m0, int64_t m1,  \
+                                            int64_t p, const int32_t* c) {                    \
+    int8_epilogue_t<E>(a, m0, m1, p, c);                                                      \
+  }
+PAGEDLLM_INT8_ROWS(Bf16)
+PAGEDLLM_INT8_ROWS(Fp32)
+#undef PAGEDLLM_INT8_ROWS
 
 // acc += u8 quads of x . s8 quads of w (vpdpbusd). Inline assembly rather than the intrinsic:
 // with `_mm512_dpbusd_epi32` GCC copies every accumulator through a spare register and the
@@ -129,10 +182,9 @@ PAGEDLLM_VNNI_TARGET static inline void micro_u8s8_dispatch(int64_t rows, const 
   }
 }
 
-// Rows [m0, m1) x panel p: K-chunks, 6-row tiles, then the epilogue (zero point, scales,
-// bias, store).
-PAGEDLLM_VNNI_TARGET static void gemm_int8_item(const Int8GemmArgs& a, int64_t m0, int64_t m1,
-                                                int64_t p, int32_t* c) {
+// Rows [m0, m1) x panel p: K-chunks, 6-row tiles; the int32 sums land in c.
+PAGEDLLM_VNNI_TARGET static void gemm_int8_sums_vnni(const Int8GemmArgs& a, int64_t m0,
+                                                     int64_t m1, int64_t p, int32_t* c) {
   for (int64_t kq0 = 0; kq0 < a.Kq; kq0 += kQuadChunk) {
     const int64_t nkq = std::min(kQuadChunk, a.Kq - kq0);
     const int8_t* panel = a.w + (p * a.Kq + kq0) * 4 * kPanel;
@@ -140,33 +192,99 @@ PAGEDLLM_VNNI_TARGET static void gemm_int8_item(const Int8GemmArgs& a, int64_t m
       micro_u8s8_dispatch(std::min(kRowTile, m1 - m), a.xq + m * a.ldx + 4 * kq0, a.ldx, panel,
                           nkq, c + (m - m0) * kPanel, kq0 > 0);
   }
-  const int64_t n0 = p * kPanel, valid = std::min(a.N - n0, kPanel);
-  const __mmask16 all = 0xffff;
-  for (int64_t m = m0; m < m1; ++m) {
-    const int32_t* cr = c + (m - m0) * kPanel;
-    const __m512i zero = _mm512_set1_epi32(a.x_zero[m]);
-    const __m512 xs = _mm512_set1_ps(a.x_scale[m]);
-    for (int64_t j = 0; j < valid; j += 16) {
-      const __mmask16 mask = valid - j >= 16 ? all : static_cast<__mmask16>((1u << (valid - j)) - 1);
-      const __m512i colsum = _mm512_loadu_si512(a.colsum + n0 + j);  // padded to whole panels
-      const __m512i dot = _mm512_sub_epi32(_mm512_loadu_si512(cr + j),
-                                           _mm512_mullo_epi32(zero, colsum));
-      __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), xs);
-      v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, a.w_scale + n0 + j));
-      if (a.bias) {
-        const __m256i b = _mm256_maskz_loadu_epi16(mask, a.bias + n0 + j);
-        v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+}
+
+// ---- AVX2 -------------------------------------------------------------------------------
+// vpmaddwd multiplies int16 pairs exactly into int32: a k-quad's 16 bytes for 4 outputs
+// (4 x 4 weights, sign-extended) times the row's quad (zero-extended, repeated 4 times) gives
+// each output's two pair sums side by side, folded by hadd. One row (decode): all 64 outputs
+// in one pass, so the panel streams in order. Tiles of 3 rows: 4 passes of 16 outputs (12
+// accumulators), each weight vector widened once for the 3 rows; a 64-quad chunk of the panel
+// (16 KB) stays in L1 over the passes and the tiles.
+
+#define PAGEDLLM_AVX2_TARGET __attribute__((target("avx2")))
+
+constexpr int64_t kQuadChunkAvx2 = 64;
+constexpr int64_t kRowTileAvx2 = 3;
+
+// c[MT][64] (+)= sums over nkq k-quads of xq rows x panel chunk w; the pair sums are folded
+// at the end.
+template <int MT>
+PAGEDLLM_AVX2_TARGET static inline void micro_u8s8_avx2(const uint8_t* x, int64_t ldx,
+                                                        const int8_t* w, int64_t nkq, int32_t* c,
+                                                        bool load_c) {
+  constexpr int NG = 4;
+  for (int pass = 0; pass < 16 / NG; ++pass) {
+    __m256i acc[MT][NG];
+    for (int m = 0; m < MT; ++m)
+      for (int g = 0; g < NG; ++g) acc[m][g] = _mm256_setzero_si256();
+    const int8_t* wp = w + pass * NG * 16;
+    for (int64_t kq = 0; kq < nkq; ++kq) {
+      const int8_t* wk = wp + kq * 4 * kPanel;
+      __m256i xb[MT];
+      for (int m = 0; m < MT; ++m) {
+        int32_t quad;
+        std::memcpy(&quad, x + m * ldx + 4 * kq, 4);
+        xb[m] = _mm256_cvtepu8_epi16(_mm_set1_epi32(quad));
       }
-      if (a.out_fp32) {
-        _mm512_mask_storeu_ps(static_cast<float*>(a.out) + m * a.ldo + n0 + j, mask, v);
-      } else {
-        uint16_t* o = static_cast<uint16_t*>(a.out) + m * a.ldo + n0 + j;
-        const __m512i u = _mm512_castps_si512(v);  // round to nearest even, as PyTorch does
-        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-        const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
-        _mm256_mask_storeu_epi16(o, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+#pragma GCC unroll 8
+      for (int g = 0; g < NG; ++g) {
+        const __m256i wv =
+            _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wk + 16 * g)));
+        for (int m = 0; m < MT; ++m)
+          acc[m][g] = _mm256_add_epi32(acc[m][g], _mm256_madd_epi16(wv, xb[m]));
       }
     }
+    for (int m = 0; m < MT; ++m)
+      for (int g = 0; g < NG; g += 2) {
+        // Lanes [n0 n0 n1 n1 | n2 n2 n3 n3] and [n4 ..]: hadd -> [n0 n1 n4 n5 | n2 n3 n6 n7].
+        const __m256i s = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[m][g], acc[m][g + 1]),
+                                                   0xD8);
+        __m256i* cg = reinterpret_cast<__m256i*>(c + m * kPanel + 4 * (pass * NG + g));
+        _mm256_storeu_si256(cg, load_c ? _mm256_add_epi32(s, _mm256_loadu_si256(cg)) : s);
+      }
+  }
+}
+
+// One row x all 64 outputs in one pass: pairs of 4-output products folded by hadd as they
+// come (8 accumulators), so the panel streams in order.
+PAGEDLLM_AVX2_TARGET static inline void row64_u8s8_avx2(const uint8_t* x, const int8_t* w,
+                                                        int64_t nkq, int32_t* c, bool load_c) {
+  __m256i acc[8];
+  for (int g = 0; g < 8; ++g) acc[g] = _mm256_setzero_si256();
+  for (int64_t kq = 0; kq < nkq; ++kq) {
+    const int8_t* wk = w + kq * 4 * kPanel;
+    int32_t quad;
+    std::memcpy(&quad, x + 4 * kq, 4);
+    const __m256i xb = _mm256_cvtepu8_epi16(_mm_set1_epi32(quad));
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+      const __m256i w0 =
+          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wk + 32 * g)));
+      const __m256i w1 = _mm256_cvtepi8_epi16(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(wk + 32 * g + 16)));
+      acc[g] = _mm256_add_epi32(
+          acc[g], _mm256_hadd_epi32(_mm256_madd_epi16(w0, xb), _mm256_madd_epi16(w1, xb)));
+    }
+  }
+  for (int g = 0; g < 8; ++g) {
+    const __m256i s = _mm256_permute4x64_epi64(acc[g], 0xD8);
+    __m256i* cg = reinterpret_cast<__m256i*>(c + 8 * g);
+    _mm256_storeu_si256(cg, load_c ? _mm256_add_epi32(s, _mm256_loadu_si256(cg)) : s);
+  }
+}
+
+PAGEDLLM_AVX2_TARGET static void gemm_int8_sums_avx2(const Int8GemmArgs& a, int64_t m0,
+                                                     int64_t m1, int64_t p, int32_t* c) {
+  for (int64_t kq0 = 0; kq0 < a.Kq; kq0 += kQuadChunkAvx2) {
+    const int64_t nkq = std::min(kQuadChunkAvx2, a.Kq - kq0);
+    const int8_t* panel = a.w + (p * a.Kq + kq0) * 4 * kPanel;
+    int64_t m = m0;
+    for (; m + kRowTileAvx2 <= m1; m += kRowTileAvx2)
+      micro_u8s8_avx2<kRowTileAvx2>(a.xq + m * a.ldx + 4 * kq0, a.ldx, panel, nkq,
+                                    c + (m - m0) * kPanel, kq0 > 0);
+    for (; m < m1; ++m)
+      row64_u8s8_avx2(a.xq + m * a.ldx + 4 * kq0, panel, nkq, c + (m - m0) * kPanel, kq0 > 0);
   }
 }
 

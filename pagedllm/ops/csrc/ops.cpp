@@ -99,44 +99,6 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optio
   return out;
 }
 
-bool cpu_has_avx512_vnni() { return __builtin_cpu_supports("avx512vnni"); }
-
-// y = W8A8(x, w): rows of x quantized to uint8 on the fly (gemm_int8.h).
-at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
-                       const at::Tensor& colsum, const c10::optional<at::Tensor>& bias, int64_t n,
-                       bool out_fp32) {
-  TORCH_CHECK(cpu_has_avx512_vnni(), "pagedllm::linear_int8 needs AVX512-VNNI");
-  check_rows(x, "x");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(w.scalar_type() == at::kChar && w.is_contiguous() && w.dim() == 4 &&
-                  w.size(0) * kPanel >= n && w.size(1) * 4 >= K && w.size(1) * 4 < K + 4 &&
-                  w.size(2) == kPanel && w.size(3) == 4,
-              "w must be int8 packed [ceil(N / 64), ceil(K / 4), 64, 4]");
-  TORCH_CHECK(K <= kMaxInt8K, "int8 layers take at most ", kMaxInt8K, " inputs");
-  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() && w_scale.numel() >= n, "w_scale: float32 [N]");
-  TORCH_CHECK(colsum.scalar_type() == at::kInt && colsum.is_contiguous() && colsum.numel() == w.size(0) * kPanel, "colsum: int32 [N_pad]");
-  if (bias) TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == n, "bias: bfloat16 [N]");
-  at::Tensor out = at::empty({M, n}, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
-  if (M == 0) return out;
-  const int64_t Kq = w.size(1), K_pad = 4 * Kq;
-  at::Tensor xq = at::empty({M, K_pad}, x.options().dtype(at::kByte));
-  at::Tensor x_scale = at::empty({M}, x.options().dtype(at::kFloat));
-  at::Tensor x_zero = at::empty({M}, x.options().dtype(at::kInt));
-  at::parallel_for(0, M, row_grain(K), [&](int64_t b, int64_t e) {
-    for (int64_t m = b; m < e; ++m)
-      quantize_row_u8(bf16_ptr(x) + m * x.stride(0), K, K_pad, xq.data_ptr<uint8_t>() + m * K_pad,
-                      x_scale.data_ptr<float>() + m, x_zero.data_ptr<int32_t>() + m);
-  });
-  Int8GemmArgs a{xq.data_ptr<uint8_t>(), x_scale.data_ptr<float>(), x_zero.data_ptr<int32_t>(),
-                 M, Kq, K_pad, w.data_ptr<int8_t>(), w_scale.data_ptr<float>(),
-                 colsum.data_ptr<int32_t>(), bias ? bf16_ptr(*bias) : nullptr, n,
-                 out.data_ptr(), out_fp32, n};
-  for_gemm_items<int32_t>(M, n, [&](int64_t m0, int64_t m1, int64_t p, int32_t* c) {
-    gemm_int8_item(a, m0, m1, p, c);
-  });
-  return out;
-}
-
 // Element-typed pointer to a bf16 (Bf16) or fp32 (Fp32) tensor's data.
 template <class E>
 typename E::T* data(const at::Tensor& t) { return reinterpret_cast<typename E::T*>(t.data_ptr()); }
@@ -149,10 +111,59 @@ void by_dtype(const at::Tensor& t, const char* name, F&& body) {
   body.template operator()<Bf16>();
 }
 
-
 void check_like(const at::Tensor& t, const at::Tensor& like, const char* name) {
   TORCH_CHECK(t.scalar_type() == like.scalar_type(), name, " must have the input's dtype");
 }
+
+bool cpu_has_avx512_vnni() { return __builtin_cpu_supports("avx512vnni"); }
+
+// y = W8A8(x, w): rows of x (bf16 or fp32) quantized to uint8 on the fly (gemm_int8.h), on
+// the AVX512-VNNI kernel or else the AVX2 one; the result in fp32 (out_fp32) or x's dtype.
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
+                       const at::Tensor& colsum, const c10::optional<at::Tensor>& bias, int64_t n,
+                       bool out_fp32) {
+  const bool vnni = cpu_has_avx512_vnni();
+  TORCH_CHECK(vnni || __builtin_cpu_supports("avx2"), "pagedllm::linear_int8 needs AVX2");
+  check_any_rows(x, "x");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.is_contiguous() && w.dim() == 4 &&
+                  w.size(0) * kPanel >= n && w.size(1) * 4 >= K && w.size(1) * 4 < K + 4 &&
+                  w.size(2) == kPanel && w.size(3) == 4,
+              "w must be int8 packed [ceil(N / 64), ceil(K / 4), 64, 4]");
+  TORCH_CHECK(K <= kMaxInt8K, "int8 layers take at most ", kMaxInt8K, " inputs");
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() && w_scale.numel() >= n, "w_scale: float32 [N]");
+  TORCH_CHECK(colsum.scalar_type() == at::kInt && colsum.is_contiguous() && colsum.numel() == w.size(0) * kPanel, "colsum: int32 [N_pad]");
+  if (bias) {
+    check_like(*bias, x, "bias");
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == n, "bias: [N]");
+  }
+  at::Tensor out = at::empty({M, n}, out_fp32 ? x.options().dtype(at::kFloat) : x.options());
+  if (M == 0) return out;
+  const int64_t Kq = w.size(1), K_pad = 4 * Kq;
+  at::Tensor xq = at::empty({M, K_pad}, x.options().dtype(at::kByte));
+  at::Tensor x_scale = at::empty({M}, x.options().dtype(at::kFloat));
+  at::Tensor x_zero = at::empty({M}, x.options().dtype(at::kInt));
+  Int8GemmArgs a{xq.data_ptr<uint8_t>(), x_scale.data_ptr<float>(), x_zero.data_ptr<int32_t>(),
+                 M, Kq, K_pad, w.data_ptr<int8_t>(), w_scale.data_ptr<float>(),
+                 colsum.data_ptr<int32_t>(), bias ? bias->data_ptr() : nullptr, n,
+                 out.data_ptr(), out_fp32, n};
+  by_dtype(x, "x", [&]<class E>() {
+    at::parallel_for(0, M, row_grain(K), [&](int64_t b, int64_t e) {
+      for (int64_t m = b; m < e; ++m)
+        quantize_row_u8(data<E>(x) + m * x.stride(0), K, K_pad, xq.data_ptr<uint8_t>() + m * K_pad,
+                        x_scale.data_ptr<float>() + m, x_zero.data_ptr<int32_t>() + m);
+    });
+    for_gemm_items<int32_t>(M, n, [&](int64_t m0, int64_t m1, int64_t p, int32_t* c) {
+      if (vnni)
+        gemm_int8_sums_vnni(a, m0, m1, p, c);
+      else
+        gemm_int8_sums_avx2(a, m0, m1, p, c);
+      int8_epilogue(a, E{}, m0, m1, p, c);
+    });
+  });
+  return out;
+}
+
 
 at::Tensor rms_norm_impl(const at::Tensor& x, at::Tensor* residual, const at::Tensor& weight,
                          double eps) {
@@ -258,12 +269,12 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def("cpu_has_avx512_bf16() -> bool", &pagedllm::cpu_has_avx512_bf16);
   m.def("cpu_has_avx512_vnni() -> bool", &pagedllm::cpu_has_avx512_vnni);
   m.def("cpu_has_avx2_fma() -> bool", &pagedllm::cpu_has_avx2_fma);
-  // A CPU kernel (not a catch-all) so that build.py can give it a fake for torch.compile.
+  // GEMMs: CPU kernels (not catch-alls) so that build.py can give them fakes for torch.compile.
   m.def("linear_f32(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
   m.def("linear(Tensor x, Tensor w, Tensor? bias, int n, bool out_fp32) -> Tensor",
         &pagedllm::linear);
   m.def("linear_int8(Tensor x, Tensor w, Tensor w_scale, Tensor colsum, Tensor? bias, int n, "
-        "bool out_fp32) -> Tensor", &pagedllm::linear_int8);
+        "bool out_fp32) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &pagedllm::rms_norm);
   m.def("fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor",
         &pagedllm::fused_add_rms_norm);
@@ -274,4 +285,7 @@ TORCH_LIBRARY(pagedllm, m) {
         "int max_seq_len, float scale) -> Tensor", &pagedllm::paged_decode_attention);
 }
 
-TORCH_LIBRARY_IMPL(pagedllm, CPU, m) { m.impl("linear_f32", &pagedllm::linear_f32); }
+TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
+  m.impl("linear_f32", &pagedllm::linear_f32);
+  m.impl("linear_int8", &pagedllm::linear_int8);
+}
