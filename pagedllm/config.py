@@ -41,11 +41,24 @@ def cpu_has_fast_bf16() -> bool:
     )
 
 
-def resolve_dtype(dtype: str | torch.dtype, hf_dtype: Any, device: str) -> torch.dtype:
+def cpu_has_bf16_kernels() -> bool:
+    """Whether pagedllm's own GEMMs run bf16 weights on this CPU where oneDNN would emulate
+    them (AVX2 + FMA: `layers/cpu_gemm.py`); then bf16 decodes faster than fp32 (half the
+    bytes to stream) and batches as fast (BENCHMARKS.md). Builds the native ops if needed."""
+    from pagedllm.layers.cpu_gemm import bf16_panels_available
+
+    return bf16_panels_available()
+
+
+def resolve_dtype(
+    dtype: str | torch.dtype, hf_dtype: Any, device: str, pagedllm_kernels: bool = True
+) -> torch.dtype:
     """`auto` keeps the checkpoint's 16-bit dtype; fp32 checkpoints run in bf16 on the CPU
     (its bf16 GEMMs are several times faster) and in the checkpoint dtype elsewhere. A CPU
-    without fast bf16 (`cpu_has_fast_bf16`) runs every checkpoint in fp32: its 16-bit GEMMs
-    are emulated, several times slower than fp32's. An explicit dtype is always honoured."""
+    without fast bf16 (`cpu_has_fast_bf16`) runs every checkpoint in bf16 on pagedllm's AVX2
+    kernels (`cpu_has_bf16_kernels`), else in fp32: there PyTorch's 16-bit GEMMs are emulated,
+    several times slower than fp32's (`pagedllm_kernels=False`: for a model that runs on
+    PyTorch's GEMMs, as transformers does). An explicit dtype is always honoured."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":
@@ -56,8 +69,11 @@ def resolve_dtype(dtype: str | torch.dtype, hf_dtype: Any, device: str) -> torch
             )
         return _DTYPES[dtype]
     if device == "cpu" and not cpu_has_fast_bf16():
-        logger.info("dtype=auto: float32, this CPU has no fast bfloat16 (AVX2 only)")
-        return torch.float32
+        if not (pagedllm_kernels and cpu_has_bf16_kernels()):
+            logger.info("dtype=auto: float32, this CPU has no fast bfloat16 (AVX2 only)")
+            return torch.float32
+        logger.info("dtype=auto: bfloat16 on pagedllm's AVX2 GEMM (bf16 weights, fp32 sums)")
+        return torch.bfloat16
     if isinstance(hf_dtype, str):
         hf_dtype = _DTYPES.get(hf_dtype.removeprefix("torch."), None)
     if hf_dtype in (torch.bfloat16, torch.float16):

@@ -110,7 +110,8 @@ def test_features_that_need_one_rank_are_refused(tiny_llama_dir, kwargs, layout,
 
 def test_auto_dtype_follows_the_cpu(monkeypatch):
     """`auto` on the CPU: bf16 where it is fast (a bf16 checkpoint keeps it, an fp32 one gets
-    it), fp32 for every checkpoint where bf16 is emulated; an explicit dtype always wins."""
+    it), natively or on pagedllm's AVX2 kernels, fp32 for every checkpoint where bf16 would be
+    emulated; an explicit dtype always wins."""
     import torch
 
     from pagedllm import config
@@ -119,6 +120,12 @@ def test_auto_dtype_follows_the_cpu(monkeypatch):
     assert config.resolve_dtype("auto", "bfloat16", "cpu") == torch.bfloat16
     assert config.resolve_dtype("auto", torch.float32, "cpu") == torch.bfloat16
     monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(config, "cpu_has_bf16_kernels", lambda: True)  # AVX2: pagedllm's GEMM
+    assert config.resolve_dtype("auto", torch.float32, "cpu") == torch.bfloat16
+    assert config.resolve_dtype("auto", torch.float16, "cpu") == torch.bfloat16
+    # transformers' GEMMs (the hf benchmark backend): emulated bf16, so fp32
+    assert config.resolve_dtype("auto", "bfloat16", "cpu", pagedllm_kernels=False) == torch.float32
+    monkeypatch.setattr(config, "cpu_has_bf16_kernels", lambda: False)
     assert config.resolve_dtype("auto", "bfloat16", "cpu") == torch.float32
     assert config.resolve_dtype("auto", torch.float16, "cpu") == torch.float32
     assert config.resolve_dtype("bfloat16", "bfloat16", "cpu") == torch.bfloat16

@@ -108,7 +108,7 @@ def _hf_device_and_dtype(args: argparse.Namespace, hf_config: Any) -> tuple[str,
     else:
         device = args.device
     ckpt_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    return device, resolve_dtype(args.dtype, ckpt_dtype, device)
+    return device, resolve_dtype(args.dtype, ckpt_dtype, device, pagedllm_kernels=False)
 
 
 def run_hf(

@@ -9,10 +9,12 @@ Three layouts, chosen per weight by `pack_linear_weight_` (called by the layers'
   batches (oneDNN reaches ~40-60% of it at M = 1) and matches oneDNN's throughput for large
   ones. int8 weights (`weight_scale` set, `layers/quantization.py`) go to the W8A8 kernel
   (`weight_colsum` beside them), with AVX512-VNNI or, without it, AVX2: in a bf16 or an fp32
-  model. fp32 weights on AVX2 + FMA CPUs
-  without AVX-512 (`gemm_f32.h`): there oneDNN streams the weights at ~35-65% of the memory
-  bandwidth at decode sizes; with AVX-512, oneDNN's wider FMAs are kept. The fp32 panels
-  compute a row's result in an order fixed by K (batch-invariant, like the bf16 ones).
+  model. fp32 weights on AVX2 + FMA CPUs without AVX-512, and bf16 weights on AVX2 + FMA CPUs
+  where oneDNN has no bf16 path (`gemm_f32.h`, fp32 arithmetic; bf16 weights are widened as
+  they are loaded, so they stream half the bytes): there oneDNN streams fp32 weights at
+  ~35-65% of the memory bandwidth at decode sizes and emulates bf16 GEMMs 2-6x slower than
+  fp32; with AVX-512, oneDNN's wider FMAs are kept. These panels compute a row's result in an
+  order fixed by K (batch-invariant, like the AVX512-BF16 ones).
 - **oneDNN prepacked** (`weight_packed`): bf16 weights on other x86 CPUs with oneDNN's bf16
   path, AMX ones included (oneDNN picks AMX for large batches by itself), and fp32 weights
   on the other CPUs with oneDNN (as vLLM's CPU backend runs them). `F.linear` on a row-major
@@ -67,8 +69,9 @@ def _onednn_packing() -> bool:
 
 @functools.cache
 def _panel_ops(dtype: torch.dtype):
-    """The native ops when this CPU runs the panel GEMM for this weight dtype, else None.
-    bf16: AVX512-BF16 without AMX (with AMX oneDNN is better); int8: AVX512-VNNI, else AVX2;
+    """The native ops when this CPU runs a panel GEMM for this weight dtype, else None.
+    bf16: AVX512-BF16 without AMX (with AMX oneDNN is better), or AVX2 + FMA where oneDNN has
+    no bf16 path (`cpu_has_fast_bf16`: it would emulate bf16); int8: AVX512-VNNI, else AVX2;
     fp32: AVX2 + FMA without AVX-512 (where oneDNN has wider vectors; see the module
     docstring)."""
     ops = cpu_ops()
@@ -78,22 +81,38 @@ def _panel_ops(dtype: torch.dtype):
         return ops if ops.cpu_has_avx512_vnni() or ops.cpu_has_avx2_fma() else None
     if dtype == torch.float32:
         return ops if ops.cpu_has_avx2_fma() and not torch.cpu._is_avx512_supported() else None
-    if not ops.cpu_has_avx512_bf16() or torch.cpu._is_amx_tile_supported():
-        return None
-    return ops
+    if _bf16_avx512_panels(ops):
+        return ops
+    return ops if ops.cpu_has_avx2_fma() and not cpu_has_fast_bf16() else None
+
+
+def bf16_panels_available() -> bool:
+    """Whether bf16 weights go to a panel kernel on this CPU (either kind)."""
+    return env_flag("PAGEDLLM_CPU_PACK_WEIGHTS", True) and _panel_ops(torch.bfloat16) is not None
+
+
+def _bf16_avx512_panels(ops) -> bool:
+    return ops.cpu_has_avx512_bf16() and not torch.cpu._is_amx_tile_supported()
+
+
+def panel_group(dtype: torch.dtype) -> int:
+    """Inputs per k-group of the panels of this weight dtype's kernel: 4 (int8: k-quads), 2
+    (bf16 on AVX512-BF16: k-pairs) or 1 (fp32, and bf16 on the AVX2 kernel)."""
+    if dtype == torch.int8:
+        return 4
+    if dtype == torch.bfloat16 and _bf16_avx512_panels(_panel_ops(dtype)):
+        return 2
+    return 1
 
 
 def can_use_panels(weight: torch.Tensor) -> bool:
     """Whether `weight` ([out, in], bf16, fp32, or int8 with scales) goes to a panel kernel."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return False
+    if not env_flag("PAGEDLLM_CPU_PACK_WEIGHTS", True) or _panel_ops(weight.dtype) is None:
+        return False
     k = weight.shape[1]
-    fits = {torch.int8: k <= INT8_MAX_K, torch.bfloat16: k % 2 == 0, torch.float32: True}
-    return (
-        fits.get(weight.dtype, False)
-        and env_flag("PAGEDLLM_CPU_PACK_WEIGHTS", True)
-        and _panel_ops(weight.dtype) is not None
-    )
+    return k <= INT8_MAX_K if weight.dtype == torch.int8 else k % panel_group(weight.dtype) == 0
 
 
 def _panel_activation_dtypes(weight_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
@@ -105,16 +124,21 @@ def _panel_activation_dtypes(weight_dtype: torch.dtype) -> tuple[torch.dtype, ..
     }[weight_dtype]
 
 
-def to_panels(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [ceil(N / 64), K / g, 64, g] with g = 2 (bf16: k-pairs) or 4 (int8: k-quads):
-    panels of 64 output channels, k-groups inside; zero rows pad N to a whole panel, and
-    zero columns K to whole groups."""
+def to_panels(weight: torch.Tensor, group: int | None = None) -> torch.Tensor:
+    """[N, K] -> [ceil(N / 64), K / g, 64, g]: panels of 64 output channels, k-groups of g
+    inputs inside (`panel_group`; default 4 bytes' worth: bf16 k-pairs, int8 k-quads, fp32
+    single inputs); zero rows pad N to a whole panel, and zero columns K to whole groups."""
     n, k = weight.shape
-    group = 4 // weight.element_size()
+    group = 4 // weight.element_size() if group is None else group
     padded = F.pad(weight, (0, -k % group, 0, -n % PANEL)) if n % PANEL or k % group else weight
-    # A k-group moves as one int32: a plain 2-D transpose per panel, ~5x faster than
-    # permuting its elements separately.
-    words = padded.contiguous().view(torch.int32).reshape(-1, PANEL, padded.shape[1] // group)
+    words = padded.contiguous()
+    if group * weight.element_size() == 4:
+        # A 4-byte k-group moves as one int32: a plain 2-D transpose per panel, ~5x faster
+        # than permuting its elements separately.
+        words = words.view(torch.int32)
+    elif group != 1:
+        raise ValueError(f"k-groups of {group} {weight.dtype} values are not a kernel's layout")
+    words = words.reshape(-1, PANEL, words.shape[1])
     return (
         words.transpose(1, 2)
         .contiguous()
@@ -129,16 +153,19 @@ def from_panels(panels: torch.Tensor, n: int, k: int | None = None) -> torch.Ten
     return full[:n] if k is None else full[:n, :k]
 
 
-def pack_linear_weight_(module: torch.nn.Module, keep_plain: bool = False) -> None:
+def pack_linear_weight_(
+    module: torch.nn.Module, keep_plain: bool = False, weight: torch.Tensor | None = None
+) -> None:
     """Lay out `module.weight` ([out, in]) for its CPU kernel (see the module docstring) and
     free the plain copy's storage, unless `keep_plain` (a tied LM head: the embedding looks
-    rows up in it). No-op where no packing applies."""
-    weight = module.weight.data
-    activations = getattr(module, "activation_dtype", weight.dtype)
+    rows up in it). `weight`: lay out this one instead (a tied head's int8 copy). No-op where
+    no packing applies."""
+    activations = getattr(module, "activation_dtype", module.weight.dtype)
+    weight = module.weight.data if weight is None else weight
     if can_use_panels(weight) and activations in _panel_activation_dtypes(weight.dtype):
         # Buffers (not plain attributes): torch.compile then takes them as inputs of one graph
         # for every layer instead of constants that differ per layer.
-        panels = to_panels(weight)
+        panels = to_panels(weight, panel_group(weight.dtype))
         module.register_buffer("weight_panels", panels, persistent=False)
         if weight.dtype == torch.int8:  # sum_k q[n, k], for the activations' zero points
             colsum = weight.sum(dim=1, dtype=torch.int32)
@@ -190,9 +217,9 @@ def _linear_2d(
             module.weight_out_features,
             out_fp32,
         )
-    elif panels is not None and panels.dtype == torch.float32:
-        y = torch.ops.pagedllm.linear_f32(
-            flat.contiguous(), panels, bias, module.weight_out_features
+    elif panels is not None and panels.shape[3] == 1:  # fp32 or bf16 on AVX2 + FMA
+        y = torch.ops.pagedllm.linear_avx2(
+            flat.contiguous(), panels, bias, module.weight_out_features, out_fp32
         )
     elif panels is not None:
         y = torch.ops.pagedllm.linear(

@@ -15,8 +15,9 @@ whole: the layers' plain weights are replaced before loading, while still unwrit
 At run time each row of the input is quantized to uint8 over its own range
 (`quantize_activations`) and multiplied in exact integer arithmetic (`int8_linear`, the
 reference; the native kernel, `pagedllm/ops/csrc/gemm_int8.h`, computes the same numbers with
-AVX512-VNNI, or with AVX2 on CPUs without it). A row's result depends on that row alone. Tied
-embeddings stay unquantized (the table is also read as rows).
+AVX512-VNNI, or with AVX2 on CPUs without it). A row's result depends on that row alone. A
+tied LM head keeps its table unquantized (the embedding reads it as rows) and, where the int8
+kernel runs, multiplies the logits with an int8 copy of it (`VocabParallelEmbedding`).
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def _int8_layer_(module: nn.Module, load_scale) -> None:
 def quantize_model_(model: nn.Module, method: str | None) -> nn.Module:
     """Apply `method` to a built, not yet loaded model (in place); returns it."""
     from pagedllm.layers.linear import LinearBase
-    from pagedllm.layers.vocab_embedding import ParallelLMHead
+    from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 
     if check_quantization(method) is None:
         return model
@@ -120,4 +121,6 @@ def quantize_model_(model: nn.Module, method: str | None) -> nn.Module:
             )
         elif isinstance(module, ParallelLMHead):
             _int8_layer_(module, lambda buf, s, shard_id, m=module: m._copy_vocab_rows(buf, s))
+        elif isinstance(module, VocabParallelEmbedding) and module.tied_lm_head:
+            module.quantize_logits = True  # the table stays; its logits copy is int8
     return model

@@ -12,18 +12,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed import get_tp_rank, get_tp_world_size, tp_all_reduce
-from pagedllm.layers.cpu_gemm import pack_linear_weight_
+from pagedllm.layers.cpu_gemm import can_use_panels, pack_linear_weight_
 from pagedllm.layers.linear import set_weight_loader
+from pagedllm.layers.quantization import quantize_rows
 
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding table [V_p, embedding_dim] holding this rank's slice of the vocabulary.
 
     `tied_lm_head` (set by a model whose LM head is this table): after loading, the table
-    keeps its plain rows for the lookups and gets a copy laid out for the logits GEMM.
+    keeps its plain rows for the lookups and gets a copy laid out for the logits GEMM: an int8
+    one if `quantize_logits` (set by `quantize_model_`) and this CPU runs the int8 kernel.
     """
 
     tied_lm_head = False
+    quantize_logits = False
 
     def __init__(
         self,
@@ -66,8 +69,15 @@ class VocabParallelEmbedding(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """Called once by the loader."""
-        if self.tied_lm_head:
-            pack_linear_weight_(self, keep_plain=True)
+        if not self.tied_lm_head:
+            return
+        if self.quantize_logits:  # an int8 copy for the logits, where the int8 kernel runs
+            q, scale = quantize_rows(self.weight.data)
+            if can_use_panels(q):
+                self.register_buffer("weight_scale", scale, persistent=False)
+                pack_linear_weight_(self, keep_plain=True, weight=q)
+                return
+        pack_linear_weight_(self, keep_plain=True)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids [T] -> [T, embedding_dim]

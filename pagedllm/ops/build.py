@@ -90,12 +90,12 @@ def _registered() -> bool:
 
 
 def _register_fake_gemm() -> None:
-    """Shape functions for the fp32 and int8 GEMMs, so that torch.compile (compilation level 3,
+    """Shape functions for the AVX2 and int8 GEMMs, so that torch.compile (compilation level 3,
     which fp32 CPU models allow) keeps each as one opaque call inside its graphs."""
 
-    @torch.library.register_fake("pagedllm::linear_f32")
-    def _(x, w, bias, n):
-        return x.new_empty((x.shape[0], n))
+    @torch.library.register_fake("pagedllm::linear_avx2")
+    def _(x, w, bias, n, out_fp32):
+        return x.new_empty((x.shape[0], n), dtype=torch.float32 if out_fp32 else x.dtype)
 
     @torch.library.register_fake("pagedllm::linear_int8")
     def _(x, w, w_scale, colsum, bias, n, out_fp32):

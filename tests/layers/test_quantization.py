@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers import linear as linear_mod
-from pagedllm.layers.cpu_gemm import from_panels
+from pagedllm.layers.cpu_gemm import from_panels, packed_linear
 from pagedllm.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -19,11 +19,13 @@ from pagedllm.layers.linear import (
 )
 from pagedllm.layers.quantization import (
     check_quantization,
+    int8_linear,
     quantize_activations,
     quantize_model_,
     quantize_rows,
 )
-from pagedllm.layers.vocab_embedding import ParallelLMHead
+from pagedllm.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.ops import cpu_ops
 
 
 def test_quantize_rows_bounds_the_error():
@@ -163,6 +165,29 @@ def test_int8_panel_kernel_equals_the_reference(dtype, monkeypatch):
     _, ref = _int8_outputs(x, False, monkeypatch)
     for name in ref:
         assert torch.equal(fast[name], ref[name]), name
+
+
+def test_tied_lm_head_multiplies_an_int8_copy_and_looks_up_its_table():
+    """A tied head (the embedding table): lookups read the unquantized rows; the logits are
+    int8 W8A8 on a quantized copy where the int8 kernel runs (else the table as it is)."""
+    with torch.device("cpu"):
+        table = VocabParallelEmbedding(200, 64)
+    table.tied_lm_head = True
+    quantize_model_(nn.ModuleList([table]), "int8")
+    w = torch.randn(200, 64)
+    table.weight.weight_loader(table.weight, w)
+    table.process_weights_after_loading()
+    ids = torch.tensor([0, 7, 199])
+    assert torch.equal(table(ids), w[ids])
+    x = torch.randn(5, 64)
+    logits = packed_linear(table, x, None, out_dtype=torch.float32)
+    if getattr(table, "weight_panels", None) is None or cpu_ops() is None:
+        assert getattr(table, "weight_scale", None) is None
+        torch.testing.assert_close(logits, F.linear(x, w), rtol=1e-4, atol=1e-4)
+    else:
+        assert table.weight_panels.dtype == torch.int8
+        q, scale = quantize_rows(w)
+        assert torch.equal(logits, int8_linear(x, q, scale, None, torch.float32))
 
 
 def test_lm_head_scales_follow_its_vocab_rows():

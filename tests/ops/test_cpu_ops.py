@@ -37,26 +37,31 @@ def torch_path(monkeypatch):
 
 
 @needs_avx2
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
 @pytest.mark.parametrize("n,k", [(1, 1), (64, 64), (100, 770), (130, 65), (1280, 96)])
-def test_linear_f32(n, k):
-    """fp32 panels: close to F.linear for partial panels and K chunks, bias or none; and each
+def test_linear_avx2(n, k, dtype):
+    """AVX2 panels of fp32 or bf16 weights (fp32 arithmetic): close to F.linear in fp32 on the
+    same values for partial panels and K chunks, bias or none, either output dtype; and each
     row's result bit-identical whatever batch it comes in (one row, 6-row tiles, leftovers,
     row blocks of 96)."""
     g = torch.Generator().manual_seed(n + k)
-    w = torch.randn(n, k, generator=g)
-    bias = torch.randn(n, generator=g)
-    x = torch.randn(200, k, generator=g)
-    panels = to_panels(w)
-    assert panels.shape == (-(-n // 64), k, 64, 1)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype)
+    x = torch.randn(200, k, generator=g).to(dtype)
+    panels = to_panels(w, 1)
+    assert panels.shape == (-(-n // 64), k, 64, 1) and panels.dtype == dtype
     for b in (None, bias):
-        y = ops.linear_f32(x, panels, b, n)
-        torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+        ref = F.linear(x.float(), w.float(), None if b is None else b.float())
+        y32 = ops.linear_avx2(x, panels, b, n, True)
+        torch.testing.assert_close(y32, ref, rtol=1e-5, atol=1e-4)
+        y = ops.linear_avx2(x, panels, b, n, False)
+        assert y.dtype == dtype and torch.equal(y, y32.to(dtype))  # one rounding, of the sum
         for m in (1, 5, 6, 7, 97):
-            assert torch.equal(ops.linear_f32(x[m : 2 * m], panels, b, n), y[m : 2 * m])
-    strided = torch.randn(3, 2 * k, generator=g)[:, :k]
+            assert torch.equal(ops.linear_avx2(x[m : 2 * m], panels, b, n, False), y[m : 2 * m])
+    strided = torch.randn(3, 2 * k, generator=g).to(dtype)[:, :k]
     assert torch.equal(
-        ops.linear_f32(strided, panels, None, n),
-        ops.linear_f32(strided.contiguous(), panels, None, n),
+        ops.linear_avx2(strided, panels, None, n, True),
+        ops.linear_avx2(strided.contiguous(), panels, None, n, True),
     )
 
 

@@ -2,6 +2,8 @@
 // PyTorch rounds every bf16 op) and the function multi-versioning the portable loops use.
 #pragma once
 
+#include <immintrin.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -70,5 +72,26 @@ static inline __attribute__((always_inline)) float exp_approx(float x) {
   std::memcpy(&scale, &bits, 4);
   return p * scale;
 }
+
+// AVX2 + FMA helpers: 8 bf16 / fp32 values <-> 8 fp32 lanes (bf16 stored rounded to nearest
+// even, NaN not special-cased: the vector kernels' outputs are finite).
+#define PAGEDLLM_AVX2_TARGET __attribute__((target("avx2,fma")))
+
+PAGEDLLM_AVX2_TARGET static inline __m256 load8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+PAGEDLLM_AVX2_TARGET static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+PAGEDLLM_AVX2_TARGET static inline void store8(uint16_t* p, __m256 v) {  // round to nearest even
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  // packus works within 128-bit lanes: [r0-3 r0-3 | r4-7 r4-7] -> r0-7 in the low half.
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+PAGEDLLM_AVX2_TARGET static inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 
 }  // namespace pagedllm

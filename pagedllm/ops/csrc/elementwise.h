@@ -93,4 +93,9 @@ PAGEDLLM_ROW_KERNELS(Bf16)
 PAGEDLLM_ROW_KERNELS(Fp32)
 #undef PAGEDLLM_ROW_KERNELS
 
+// bf16 row -> fp32 row (exact).
+PAGEDLLM_CLONES static void widen_row(float* out, const uint16_t* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_fp32(x[i]);
+}
+
 }  // namespace pagedllm

@@ -1,9 +1,12 @@
-// Linear layers on fp32 weights packed in panels, for AVX2 + FMA CPUs.
+// Linear layers in fp32 arithmetic on weights packed in panels, for AVX2 + FMA CPUs: fp32
+// weights, or bf16 ones widened to fp32 as they are loaded (half the bytes to stream; the
+// products and sums are the fp32 ones of the widened values, as PyTorch's bf16 GEMMs compute).
+// Activations are fp32 here (ops.cpp widens bf16 rows first).
 //
 // Packed layout: [N_pad / 64][K][64] (the panels of gemm.h with one input per group): for each
-// input k, a panel holds the 64 output channels' weights in one 256-byte run, so a panel is a
-// single sequential stream (what the hardware prefetchers follow at full bandwidth when M is
-// small and the weights come from DRAM).
+// input k, a panel holds the 64 output channels' weights in one run (256 bytes in fp32, 128 in
+// bf16), so a panel is a single sequential stream (what the hardware prefetchers follow at
+// full bandwidth when M is small and the weights come from DRAM).
 //
 // Two micro-kernels over a K-chunk of a panel: one row x 64 outputs (8 accumulators; small
 // batches, where the weights stream from memory) and 6 rows x 16 outputs (12 accumulators, 4
@@ -18,50 +21,54 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+
+#include "common.h"
 
 #include "gemm.h"
 
-#define PAGEDLLM_FMA_TARGET __attribute__((target("avx2,fma")))
-
 namespace pagedllm {
 
-constexpr int64_t kF32KChunk = 64;  // inputs per chunk: 16 KB of a panel
+constexpr int64_t kF32KChunk = 64;  // inputs per chunk: 16 KB of an fp32 panel
 
 struct GemmF32Args {
-  const float* x;     // [M, ldx], K used
+  const float* x;     // [M, ldx] fp32, K used
   int64_t M, K, ldx;
-  const float* w;     // packed panels
-  const float* bias;  // [N] or nullptr
+  const void* w;      // packed panels: fp32, or bf16 (uint16_t)
+  const void* bias;   // [N] in the output's element type E (see gemm_f32_item), or nullptr
   int64_t N;
-  float* out;         // [M, ldo]
+  void* out;          // [M, ldo]: fp32 (out_fp32) or E
+  bool out_fp32;
   int64_t ldo;
 };
 
 // c[0..64) (+)= x[k0 .. k0 + nk) * panel chunk w (nk rows of 64).
-PAGEDLLM_FMA_TARGET static inline void row64(const float* x, const float* w, int64_t nk, float* c,
+template <class W>
+PAGEDLLM_AVX2_TARGET static inline void row64(const float* x, const W* w, int64_t nk, float* c,
                                              bool load_c) {
   __m256 acc[8];
   for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
   for (int64_t k = 0; k < nk; ++k) {
-    const float* wk = w + k * kPanel;
+    const W* wk = w + k * kPanel;
     const __m256 xb = _mm256_broadcast_ss(x + k);
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(wk + 8 * j), xb, acc[j]);
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(load8(wk + 8 * j), xb, acc[j]);
   }
   for (int j = 0; j < 8; ++j)
     _mm256_storeu_ps(c + 8 * j, load_c ? _mm256_add_ps(acc[j], _mm256_loadu_ps(c + 8 * j)) : acc[j]);
 }
 
 // c[6][64] (+)= x[6 rows, k0 .. k0 + nk) * panel chunk w, 16 outputs at a time.
-PAGEDLLM_FMA_TARGET static inline void rows6(const float* x, int64_t ldx, const float* w,
+template <class W>
+PAGEDLLM_AVX2_TARGET static inline void rows6(const float* x, int64_t ldx, const W* w,
                                              int64_t nk, float* c, bool load_c) {
   for (int j = 0; j < 4; ++j) {
     __m256 acc[6][2];
     for (int m = 0; m < 6; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
 #pragma GCC unroll 4
     for (int64_t k = 0; k < nk; ++k) {
-      const float* wk = w + k * kPanel + 16 * j;
-      const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
+      const W* wk = w + k * kPanel + 16 * j;
+      const __m256 w0 = load8(wk), w1 = load8(wk + 8);
 #pragma GCC unroll 6
       for (int m = 0; m < 6; ++m) {
         const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k);
@@ -77,10 +84,12 @@ PAGEDLLM_FMA_TARGET static inline void rows6(const float* x, int64_t ldx, const 
   }
 }
 
-// Rows [m0, m1) x panel p: K-chunks, every row per chunk, then the epilogue (bias, store).
-PAGEDLLM_FMA_TARGET static void gemm_f32_item(const GemmF32Args& a, int64_t m0, int64_t m1,
+// Rows [m0, m1) x panel p: K-chunks, every row per chunk, then the epilogue (bias, store);
+// W: the weights' element type, E: the bias's and (unless out_fp32) the output's.
+template <class W, class E>
+PAGEDLLM_AVX2_TARGET static void gemm_f32_item(const GemmF32Args& a, int64_t m0, int64_t m1,
                                               int64_t p, float* c) {
-  const float* panel = a.w + p * a.K * kPanel;
+  const W* panel = static_cast<const W*>(a.w) + p * a.K * kPanel;
   for (int64_t k0 = 0; k0 < a.K; k0 += kF32KChunk) {
     const int64_t nk = std::min(kF32KChunk, a.K - k0);
     int64_t m = m0;
@@ -89,18 +98,17 @@ PAGEDLLM_FMA_TARGET static void gemm_f32_item(const GemmF32Args& a, int64_t m0, 
     for (; m < m1; ++m)
       row64(a.x + m * a.ldx + k0, panel + k0 * kPanel, nk, c + (m - m0) * kPanel, k0 > 0);
   }
-  const int64_t n0 = p * kPanel, n1 = std::min(a.N, n0 + kPanel);
+  const int64_t n0 = p * kPanel, valid = std::min(a.N - n0, kPanel);
+  const auto* bias = static_cast<const typename E::T*>(a.bias);
   for (int64_t m = m0; m < m1; ++m) {
-    const float* cr = c + (m - m0) * kPanel;
-    float* o = a.out + m * a.ldo + n0;
-    if (n1 - n0 == kPanel) {
-      for (int j = 0; j < kPanel; j += 8) {
-        __m256 v = _mm256_loadu_ps(cr + j);
-        if (a.bias) v = _mm256_add_ps(v, _mm256_loadu_ps(a.bias + n0 + j));
-        _mm256_storeu_ps(o + j, v);
-      }
+    float* cr = c + (m - m0) * kPanel;
+    if (bias)
+      for (int64_t j = 0; j < valid; ++j) cr[j] += E::load(bias[n0 + j]);
+    if (a.out_fp32) {
+      std::memcpy(static_cast<float*>(a.out) + m * a.ldo + n0, cr, valid * sizeof(float));
     } else {
-      for (int64_t n = n0; n < n1; ++n) o[n - n0] = cr[n - n0] + (a.bias ? a.bias[n] : 0.f);
+      typename E::T* o = static_cast<typename E::T*>(a.out) + m * a.ldo + n0;
+      for (int64_t j = 0; j < valid; ++j) o[j] = E::store(cr[j]);
     }
   }
 }

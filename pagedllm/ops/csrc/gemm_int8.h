@@ -202,8 +202,6 @@ PAGEDLLM_VNNI_TARGET static void gemm_int8_sums_vnni(const Int8GemmArgs& a, int6
 // accumulators), each weight vector widened once for the 3 rows; a 64-quad chunk of the panel
 // (16 KB) stays in L1 over the passes and the tiles.
 
-#define PAGEDLLM_AVX2_TARGET __attribute__((target("avx2")))
-
 constexpr int64_t kQuadChunkAvx2 = 64;
 constexpr int64_t kRowTileAvx2 = 3;
 

@@ -8,6 +8,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "attention.h"
@@ -78,27 +79,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
 
 bool cpu_has_avx2_fma() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 
-// y = x w^T + bias in fp32, w packed [ceil(N / 64), K, 64] (gemm_f32.h).
-at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                      int64_t n) {
-  TORCH_CHECK(cpu_has_avx2_fma(), "pagedllm::linear_f32 needs AVX2 and FMA");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.stride(1) == 1,
-              "x must be float32 2-D with contiguous rows");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.dim() == 4 &&
-                  w.size(0) * kPanel >= n && w.size(1) == K && w.size(2) == kPanel && w.size(3) == 1,
-              "w must be float32 packed [ceil(N / 64), K, 64, 1]");
-  if (bias) TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n, "bias: float32 [N]");
-  at::Tensor out = at::empty({M, n}, x.options());
-  if (M == 0) return out;
-  GemmF32Args a{x.data_ptr<float>(), M, K, x.stride(0), w.data_ptr<float>(),
-                bias ? bias->data_ptr<float>() : nullptr, n, out.data_ptr<float>(), n};
-  for_gemm_items<float>(M, n, [&](int64_t m0, int64_t m1, int64_t p, float* c) {
-    gemm_f32_item(a, m0, m1, p, c);
-  });
-  return out;
-}
-
 // Element-typed pointer to a bf16 (Bf16) or fp32 (Fp32) tensor's data.
 template <class E>
 typename E::T* data(const at::Tensor& t) { return reinterpret_cast<typename E::T*>(t.data_ptr()); }
@@ -113,6 +93,42 @@ void by_dtype(const at::Tensor& t, const char* name, F&& body) {
 
 void check_like(const at::Tensor& t, const at::Tensor& like, const char* name) {
   TORCH_CHECK(t.scalar_type() == like.scalar_type(), name, " must have the input's dtype");
+}
+
+// y = x w^T + bias in fp32 arithmetic (gemm_f32.h): x fp32 or bf16 (widened to fp32 first),
+// w packed [ceil(N / 64), K, 64, 1] in x's dtype, bias in x's dtype; y in fp32 (out_fp32) or
+// x's dtype.
+at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                       int64_t n, bool out_fp32) {
+  TORCH_CHECK(cpu_has_avx2_fma(), "pagedllm::linear_avx2 needs AVX2 and FMA");
+  check_any_rows(x, "x");
+  check_like(w, x, "w");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(w.is_contiguous() && w.dim() == 4 && w.size(0) * kPanel >= n && w.size(1) == K &&
+                  w.size(2) == kPanel && w.size(3) == 1,
+              "w must be packed [ceil(N / 64), K, 64, 1]");
+  if (bias) {
+    check_like(*bias, x, "bias");
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == n, "bias: [N]");
+  }
+  at::Tensor out = at::empty({M, n}, out_fp32 ? x.options().dtype(at::kFloat) : x.options());
+  if (M == 0) return out;
+  by_dtype(x, "x", [&]<class E>() {
+    at::Tensor xf = x;
+    if constexpr (!std::is_same_v<E, Fp32>) {  // widen the rows once, not per panel
+      xf = at::empty({M, K}, x.options().dtype(at::kFloat));
+      at::parallel_for(0, M, row_grain(K), [&](int64_t b, int64_t e) {
+        for (int64_t m = b; m < e; ++m)
+          widen_row(xf.data_ptr<float>() + m * K, data<E>(x) + m * x.stride(0), K);
+      });
+    }
+    GemmF32Args a{xf.data_ptr<float>(), M, K, xf.stride(0), w.data_ptr(),
+                  bias ? bias->data_ptr() : nullptr, n, out.data_ptr(), out_fp32, n};
+    for_gemm_items<float>(M, n, [&](int64_t m0, int64_t m1, int64_t p, float* c) {
+      gemm_f32_item<typename E::T, E>(a, m0, m1, p, c);
+    });
+  });
+  return out;
 }
 
 bool cpu_has_avx512_vnni() { return __builtin_cpu_supports("avx512vnni"); }
@@ -270,7 +286,7 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def("cpu_has_avx512_vnni() -> bool", &pagedllm::cpu_has_avx512_vnni);
   m.def("cpu_has_avx2_fma() -> bool", &pagedllm::cpu_has_avx2_fma);
   // GEMMs: CPU kernels (not catch-alls) so that build.py can give them fakes for torch.compile.
-  m.def("linear_f32(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor");
+  m.def("linear_avx2(Tensor x, Tensor w, Tensor? bias, int n, bool out_fp32) -> Tensor");
   m.def("linear(Tensor x, Tensor w, Tensor? bias, int n, bool out_fp32) -> Tensor",
         &pagedllm::linear);
   m.def("linear_int8(Tensor x, Tensor w, Tensor w_scale, Tensor colsum, Tensor? bias, int n, "
@@ -286,6 +302,6 @@ TORCH_LIBRARY(pagedllm, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
-  m.impl("linear_f32", &pagedllm::linear_f32);
+  m.impl("linear_avx2", &pagedllm::linear_avx2);
   m.impl("linear_int8", &pagedllm::linear_int8);
 }
