@@ -1,22 +1,27 @@
 """fp32 GEMMs on this CPU: MKL (`F.linear`, what transformers runs), oneDNN on a prepacked
 weight (what vLLM's CPU backend runs), and pagedllm's fp32 panels (`ops/csrc/gemm_f32.h`).
+With `--weight-dtypes`: pagedllm's AVX2 panels by weight dtype instead: fp32, bf16 (widened
+on load, fp32 sums; bf16 activations) and int8 (W8A8, `ops/csrc/gemm_int8.h`; fp32
+activations), GB/s counted in each one's own weight bytes.
 
 Shapes are the demo model's (SmolLM2-135M: hidden 576, MLP 1536, vocabulary 49,152); each
 timing cycles through enough copies of the weight (>= 200 MB) that, as in a decode step,
 the weights come from memory and not from cache. All threads; the median of 15 passes; the
 three kinds alternate per shape. Prints time per GEMM, GB/s of weights and GFLOP/s.
 
-    python scripts/cpu_gemm_f32.py
+    python scripts/cpu_gemm_f32.py [--weight-dtypes]
 """
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
 from pagedllm.layers.cpu_gemm import to_panels
+from pagedllm.layers.quantization import quantize_rows
 from pagedllm.ops import cpu_ops
 
 SHAPES = [
@@ -49,7 +54,7 @@ def main() -> None:
         copies = max(1, (200 << 20) // (n * k * 4))
         weights = [torch.randn(n, k) for _ in range(copies)]
         packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
-        panels = [to_panels(w) for w in weights] if panels_ok else []
+        panels = [to_panels(w, 1) for w in weights] if panels_ok else []
         for m in ROWS:
             if m > 64 and n * k > 10_000_000:
                 continue
@@ -62,7 +67,7 @@ def main() -> None:
             }
             if panels_ok:
                 kinds["panels"] = lambda x=x, ps=panels, n=n: [
-                    ops.linear_f32(x, p, None, n) for p in ps
+                    ops.linear_avx2(x, p, None, n, False) for p in ps
                 ]
             cells = {}
             for name, fn in kinds.items():
@@ -75,5 +80,51 @@ def main() -> None:
             print(f"| {n} x {k} | {m} | " + " | ".join(row) + f" | {ratio} |")
 
 
+def by_weight_dtype() -> None:
+    ops = cpu_ops()
+    print(f"threads {torch.get_num_threads()}")
+    print("| N x K | M | fp32 | bf16 | int8 (W8A8) | fp32 / bf16 | fp32 / int8 |")
+    print("|---|---|---|---|---|---|---|")
+    for n, k in SHAPES:
+        copies = max(1, (200 << 20) // (n * k * 4))
+        weights = [torch.randn(n, k) for _ in range(copies)]
+        f32 = [to_panels(w, 1) for w in weights]
+        b16 = [to_panels(w.to(torch.bfloat16), 1) for w in weights]
+        i8 = []
+        for w in weights:
+            q, scale = quantize_rows(w)
+            panels = to_panels(q)
+            colsum = F.pad(q.sum(dim=1, dtype=torch.int32), (0, panels.shape[0] * 64 - n))
+            i8.append((panels, scale, colsum))
+        for m in ROWS:
+            if m > 64 and n * k > 10_000_000:
+                continue
+            x = torch.randn(m, k)
+            xb = x.to(torch.bfloat16)
+            kinds = {
+                "fp32": (
+                    4,
+                    lambda x=x, ps=f32, n=n: [ops.linear_avx2(x, p, None, n, False) for p in ps],
+                ),
+                "bf16": (
+                    2,
+                    lambda x=xb, ps=b16, n=n: [ops.linear_avx2(x, p, None, n, False) for p in ps],
+                ),
+                "int8": (
+                    1,
+                    lambda x=x, ps=i8, n=n: [
+                        ops.linear_int8(x, p, s, c, None, n, False) for p, s, c in ps
+                    ],
+                ),
+            }
+            secs, cells = {}, []
+            for name, (nbytes, fn) in kinds.items():
+                s = secs[name] = median_seconds(fn) / copies
+                gbs, gflops = n * k * nbytes / s / 1e9, 2 * m * n * k / s / 1e9
+                cells.append(f"{s * 1e6:.0f} us ({gbs:.1f} GB/s, {gflops:.0f} GFLOP/s)")
+            ratios = [f"{secs['fp32'] / secs[d]:.2f}x" for d in ("bf16", "int8")]
+            print(f"| {n} x {k} | {m} | " + " | ".join(cells + ratios) + " |")
+
+
 if __name__ == "__main__":
-    main()
+    by_weight_dtype() if "--weight-dtypes" in sys.argv[1:] else main()

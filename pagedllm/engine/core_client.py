@@ -540,9 +540,16 @@ class MPClient(EngineCoreClient):
         if alive == 0 or self._stop_on_engine_death:
             self._mark_dead(error, stopped)
             return
-        (logger.warning if stopped else logger.error)(
-            "Data-parallel engine %d died (%s); serving on the other %d", rank, reason, alive
-        )
+        if stopped:
+            logger.warning(
+                "Data-parallel engine %d was stopped by a signal; serving on the other %d",
+                rank,
+                alive,
+            )
+        else:
+            logger.error(
+                "Data-parallel engine %d died (%s); serving on the other %d", rank, reason, alive
+            )
         failed = [rid for rid, r in list(self._request_engines.items()) if r == rank]
         for request_id in failed:
             self._request_engines.pop(request_id, None)
@@ -561,7 +568,10 @@ class MPClient(EngineCoreClient):
         if self._dead_error is not None:
             return
         self._dead_error = error
-        (logger.warning if stopped else logger.error)("EngineCore is dead: %s", error)
+        if stopped:  # nothing failed: not reported as a death
+            logger.warning("EngineCore was stopped by a signal (SIGTERM / SIGINT)")
+        else:
+            logger.error("EngineCore is dead: %s", error)
         with self._calls_lock:
             pending, self._pending_calls = self._pending_calls, {}
         for future, _ in pending.values():
