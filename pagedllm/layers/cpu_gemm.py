@@ -27,7 +27,10 @@ Three layouts, chosen per weight by `pack_linear_weight_` (called by the layers'
   compute exactly as transformers does) or without oneDNN. int8 weights without the native
   kernel take `int8_linear`, the PyTorch reference (the same numbers).
 
-A packed copy replaces the plain weight (whose storage is freed), so packing costs no memory;
+`pack_linear_weight_` names the kernel in `module.cpu_gemm` ("bf16", "avx2", "int8", "onednn";
+None: plain), a class attribute of the modules that call `packed_linear` (as is
+`batch_invariant`). A packed copy replaces the plain weight (whose storage is freed), so packing
+costs no memory;
 only `packed_linear` reads it. The exception is a tied LM head, which is the embedding table
 as well: it keeps its plain weight for the lookups and gets a packed copy for the logits
 (`keep_plain`). `PAGEDLLM_CPU_KERNELS=0` disables the panels (pure PyTorch).
@@ -165,15 +168,20 @@ def pack_linear_weight_(
     if can_use_panels(weight) and activations in _panel_activation_dtypes(weight.dtype):
         # Buffers (not plain attributes): torch.compile then takes them as inputs of one graph
         # for every layer instead of constants that differ per layer.
-        panels = to_panels(weight, panel_group(weight.dtype))
+        group = panel_group(weight.dtype)
+        panels = to_panels(weight, group)
         module.register_buffer("weight_panels", panels, persistent=False)
         if weight.dtype == torch.int8:  # sum_k q[n, k], for the activations' zero points
             colsum = weight.sum(dim=1, dtype=torch.int32)
             colsum = F.pad(colsum, (0, panels.shape[0] * PANEL - len(colsum)))
             module.register_buffer("weight_colsum", colsum, persistent=False)
+            module.cpu_gemm = "int8"
+        else:  # k-pairs: the AVX512-BF16 kernel; single inputs: the AVX2 one
+            module.cpu_gemm = "bf16" if group == 2 else "avx2"
     elif weight.dtype != torch.int8 and can_pack(weight):
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
         module.register_buffer("weight_packed", packed, persistent=False)
+        module.cpu_gemm = "onednn"
     else:
         return
     module.weight_out_features = weight.shape[0]
@@ -191,7 +199,7 @@ def packed_linear(
     weights: the W8A8 product of `layers/quantization.py`); the result is in `out_dtype`
     (default: x's dtype)."""
     flat = x.reshape(-1, x.shape[-1])
-    if getattr(module, "batch_invariant", False):  # row by row (layers/batch_invariant.py)
+    if module.batch_invariant:  # row by row (layers/batch_invariant.py)
         y = linear_by_rows(lambda row: _linear_2d(module, row, bias, out_dtype), flat)
     else:
         y = _linear_2d(module, flat, bias, out_dtype)
@@ -204,34 +212,34 @@ def _linear_2d(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype | None,
 ) -> torch.Tensor:
-    scale = getattr(module, "weight_scale", None)
-    panels = getattr(module, "weight_panels", None)
+    # On the decode path of every layer: one attribute says which kernel (no getattr probes
+    # of absent attributes, which cost ~10 us a call through nn.Module's __getattr__).
+    kind = module.cpu_gemm
     out_fp32 = out_dtype == torch.float32
-    if panels is not None and scale is not None:
-        y = torch.ops.pagedllm.linear_int8(
+    if kind == "avx2":  # fp32 or bf16 weights on AVX2 + FMA
+        return torch.ops.pagedllm.linear_avx2.default(
+            flat.contiguous(), module.weight_panels, bias, module.weight_out_features, out_fp32
+        )
+    if kind == "int8":
+        return torch.ops.pagedllm.linear_int8.default(
             flat.contiguous(),
-            panels,
-            scale,
+            module.weight_panels,
+            module.weight_scale,
             module.weight_colsum,
             bias,
             module.weight_out_features,
             out_fp32,
         )
-    elif panels is not None and panels.shape[3] == 1:  # fp32 or bf16 on AVX2 + FMA
-        y = torch.ops.pagedllm.linear_avx2(
-            flat.contiguous(), panels, bias, module.weight_out_features, out_fp32
+    if kind == "bf16":
+        return torch.ops.pagedllm.linear.default(
+            flat.contiguous(), module.weight_panels, bias, module.weight_out_features, out_fp32
         )
-    elif panels is not None:
-        y = torch.ops.pagedllm.linear(
-            flat.contiguous(), panels, bias, module.weight_out_features, out_fp32
+    if kind == "onednn":
+        y = torch.ops.mkldnn._linear_pointwise(
+            flat.contiguous(), module.weight_packed, bias, "none", [], ""
         )
-    elif scale is not None:  # int8 without the native kernel: the reference
-        y = int8_linear(flat, module.weight, scale, bias, out_dtype or flat.dtype)
+    elif module.weight.dtype == torch.int8:  # int8 without the native kernel: the reference
+        return int8_linear(flat, module.weight, module.weight_scale, bias, out_dtype or flat.dtype)
     else:
-        packed = getattr(module, "weight_packed", None)
-        if packed is not None:
-            y = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), packed, bias, "none", [], "")
-        else:
-            y = F.linear(flat, module.weight, bias)
-        y = y.to(out_dtype or flat.dtype)
-    return y
+        y = F.linear(flat, module.weight, bias)
+    return y.to(out_dtype or flat.dtype)

@@ -55,6 +55,9 @@ class LinearBase(nn.Module):
     """A linear layer over this rank's weight shard
     [output_size_per_partition, input_size_per_partition] (and bias shard, if any)."""
 
+    cpu_gemm: str | None = None  # the CPU kernel its packed weight is for (layers/cpu_gemm.py)
+    batch_invariant = False  # set by make_batch_invariant_
+
     def __init__(
         self,
         input_size_per_partition: int,

@@ -27,6 +27,8 @@ class VocabParallelEmbedding(nn.Module):
 
     tied_lm_head = False
     quantize_logits = False
+    cpu_gemm: str | None = None  # as LinearBase's: the logits' kernel (layers/cpu_gemm.py)
+    batch_invariant = False
 
     def __init__(
         self,
