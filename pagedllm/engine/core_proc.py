@@ -260,7 +260,7 @@ class EngineCoreProc:
         self._stats_dirty = had_work
         self._on_scheduler_stats(outputs.scheduler_stats)
         if outputs.outputs or outputs.scheduler_stats is not None:
-            self._send_outputs(outputs)
+            self._send_outputs(outputs, idle=not had_work)
         if self._snapshot_clients:
             # At most one a second, and one as soon as the engine goes idle (the last state).
             now = time.monotonic()
@@ -299,9 +299,13 @@ class EngineCoreProc:
     def _on_scheduler_stats(self, stats: SchedulerStats | None) -> None:
         """Hook for DPEngineCoreProc (queue lengths for the coordinator)."""
 
-    def _send_outputs(self, outputs: EngineCoreOutputs) -> None:
+    def _send_outputs(self, outputs: EngineCoreOutputs, idle: bool = False) -> None:
         """Queue each request's outputs for the front end that sent it; the scheduler stats
-        go to exactly one front end (the first with outputs), so none is counted twice."""
+        go to exactly one front end (the first with outputs), so none is counted twice. The
+        step that leaves the engine `idle` also sends its gauges (running, waiting, KV usage;
+        no counts) to every other front end: each API server's last gauge write is then the
+        idle state, whichever of them wrote last (one that handled an older step's stats
+        after another handled the idle one would otherwise leave a stale gauge)."""
         outputs.engine_index = self.engine_index
         clients = self._request_clients
         if len(self._out_sockets) == 1:
@@ -317,11 +321,24 @@ class EngineCoreProc:
             )
             by_client.setdefault(index, []).append(out)
         first = next(iter(by_client), 0)
-        for index in by_client.keys() | {first}:
+        stats = outputs.scheduler_stats
+        gauges = None
+        if idle and stats is not None:
+            gauges = msgspec.structs.replace(
+                stats,
+                prefix_cache_queries=0,
+                prefix_cache_hits=0,
+                num_preemptions=0,
+                spec_decode=None,
+            )
+        targets = (
+            range(len(self._out_sockets)) if gauges is not None else by_client.keys() | {first}
+        )
+        for index in targets:
             part = msgspec.structs.replace(
                 outputs,
                 outputs=by_client.get(index, []),
-                scheduler_stats=outputs.scheduler_stats if index == first else None,
+                scheduler_stats=stats if index == first else gauges,
             )
             self.output_queue.put((index, part))
 

@@ -41,3 +41,40 @@ def test_engines_of_one_cpu_node_split_its_cores(monkeypatch):
     assert engine_cpu_cores(gpu, 0, cores) is None
     monkeypatch.setenv(CPU_BIND_ENV, "nobind")
     assert engine_cpu_cores(two, 0, cores) is None
+
+
+def test_idle_step_sends_its_gauges_to_every_front_end():
+    """Several API servers: a step's scheduler stats go to one of them (counted once); the
+    step that leaves the engine idle also gives every other one its gauges (no counts), so no
+    API server's last gauge write is a stale busy state."""
+    import queue
+
+    from pagedllm.engine import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+    from pagedllm.engine.core_proc import EngineCoreProc
+
+    proc = SimpleNamespace(
+        engine_index=1,
+        _out_sockets=[None, None, None],
+        _request_clients={"a": 2},
+        output_queue=queue.Queue(),
+    )
+    stats = SchedulerStats(num_running_reqs=1, kv_cache_usage=0.5, prefix_cache_hits=7)
+
+    def sent(outputs, idle):
+        EngineCoreProc._send_outputs(proc, outputs, idle=idle)
+        items = []
+        while not proc.output_queue.empty():
+            items.append(proc.output_queue.get())
+        return {index: part.scheduler_stats for index, part in items}
+
+    busy = EngineCoreOutputs(outputs=[EngineCoreOutput(request_id="a", new_token_ids=[5])])
+    busy.scheduler_stats = stats
+    assert sent(busy, idle=False) == {2: stats}  # only the request's front end
+    idle = EngineCoreOutputs(scheduler_stats=SchedulerStats(num_blocks_total=9))
+    got = sent(idle, idle=True)
+    assert got[0] == SchedulerStats(num_blocks_total=9)  # the counted copy
+    assert got[1] == got[2] == SchedulerStats(num_blocks_total=9)
+    stats_idle = SchedulerStats(num_waiting_reqs=2, prefix_cache_queries=4, num_preemptions=1)
+    got = sent(EngineCoreOutputs(scheduler_stats=stats_idle), idle=True)
+    assert got[0] == stats_idle
+    assert got[1] == got[2] == SchedulerStats(num_waiting_reqs=2)  # gauges only
