@@ -22,7 +22,8 @@ prometheus_client's multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`, set by the pr
 starts them): counters and histograms add up over the processes, each counting only its own
 requests and the scheduler stats sent to it; gauges show the most recent value written by any
 process (vLLM's `multiprocess_mode="mostrecent"`), as each engine's scheduler stats go to one
-API server per step.
+API server per step (and the gauges of the step that leaves the engine idle to all of them, so
+they settle on the idle state whichever process wrote last).
 """
 
 from __future__ import annotations
