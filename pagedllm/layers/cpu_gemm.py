@@ -27,11 +27,11 @@ Three layouts, chosen per weight by `pack_linear_weight_` (called by the layers'
   compute exactly as transformers does) or without oneDNN. int8 weights without the native
   kernel take `int8_linear`, the PyTorch reference (the same numbers).
 
-`pack_linear_weight_` names the kernel in `module.cpu_gemm` ("bf16", "avx2", "int8", "onednn";
-None: plain), a class attribute of the modules that call `packed_linear` (as is
-`batch_invariant`). A packed copy replaces the plain weight (whose storage is freed), so packing
-costs no memory;
-only `packed_linear` reads it. The exception is a tied LM head, which is the embedding table
+`panel_kernel` decides which panel kernel (if any) a weight dtype gets on this CPU;
+`pack_linear_weight_` names the layout's kernel in `module.cpu_gemm` ("bf16", "avx2", "int8",
+"onednn"; None: plain), a class attribute of the modules that call `packed_linear` (as is
+`batch_invariant`). A packed copy replaces the plain weight (whose storage is freed), so
+packing costs no memory; only `packed_linear` reads it. The exception is a tied LM head, which is the embedding table
 as well: it keeps its plain weight for the lookups and gets a packed copy for the logits
 (`keep_plain`). `PAGEDLLM_CPU_KERNELS=0` disables the panels (pure PyTorch).
 """
@@ -71,66 +71,58 @@ def _onednn_packing() -> bool:
 
 
 @functools.cache
-def _panel_ops(dtype: torch.dtype):
-    """The native ops when this CPU runs a panel GEMM for this weight dtype, else None.
-    bf16: AVX512-BF16 without AMX (with AMX oneDNN is better), or AVX2 + FMA where oneDNN has
-    no bf16 path (`cpu_has_fast_bf16`: it would emulate bf16); int8: AVX512-VNNI, else AVX2;
-    fp32: AVX2 + FMA without AVX-512 (where oneDNN has wider vectors; see the module
-    docstring)."""
+def _panel_kernel_on_this_cpu(dtype: torch.dtype) -> str | None:
+    """Which panel GEMM runs weights of this dtype on this CPU: "bf16" (AVX512-BF16 without
+    AMX; with AMX oneDNN is better), "avx2" (AVX2 + FMA: fp32 without AVX-512, where oneDNN
+    has wider vectors; bf16 where oneDNN has no bf16 path, `cpu_has_fast_bf16`, and would
+    emulate it), "int8" (AVX512-VNNI, else AVX2), or None (see the module docstring)."""
     ops = cpu_ops()
     if ops is None:
         return None
+    avx2 = ops.cpu_has_avx2_fma()
     if dtype == torch.int8:
-        return ops if ops.cpu_has_avx512_vnni() or ops.cpu_has_avx2_fma() else None
+        return "int8" if ops.cpu_has_avx512_vnni() or avx2 else None
     if dtype == torch.float32:
-        return ops if ops.cpu_has_avx2_fma() and not torch.cpu._is_avx512_supported() else None
-    if _bf16_avx512_panels(ops):
-        return ops
-    return ops if ops.cpu_has_avx2_fma() and not cpu_has_fast_bf16() else None
+        return "avx2" if avx2 and not torch.cpu._is_avx512_supported() else None
+    if dtype != torch.bfloat16:
+        return None
+    if ops.cpu_has_avx512_bf16() and not torch.cpu._is_amx_tile_supported():
+        return "bf16"
+    return "avx2" if avx2 and not cpu_has_fast_bf16() else None
+
+
+# Inputs per k-group of each panel kernel's layout (`to_panels`).
+_PANEL_GROUP = {"bf16": 2, "avx2": 1, "int8": 4}
+
+
+def panel_kernel(dtype: torch.dtype) -> str | None:
+    """The panel GEMM for weights of `dtype` here, None if none (or PAGEDLLM_CPU_PACK_WEIGHTS=0)."""
+    if not env_flag("PAGEDLLM_CPU_PACK_WEIGHTS", True):
+        return None
+    return _panel_kernel_on_this_cpu(dtype)
 
 
 def bf16_panels_available() -> bool:
     """Whether bf16 weights go to a panel kernel on this CPU (either kind)."""
-    return env_flag("PAGEDLLM_CPU_PACK_WEIGHTS", True) and _panel_ops(torch.bfloat16) is not None
-
-
-def _bf16_avx512_panels(ops) -> bool:
-    return ops.cpu_has_avx512_bf16() and not torch.cpu._is_amx_tile_supported()
-
-
-def panel_group(dtype: torch.dtype) -> int:
-    """Inputs per k-group of the panels of this weight dtype's kernel: 4 (int8: k-quads), 2
-    (bf16 on AVX512-BF16: k-pairs) or 1 (fp32, and bf16 on the AVX2 kernel)."""
-    if dtype == torch.int8:
-        return 4
-    if dtype == torch.bfloat16 and _bf16_avx512_panels(_panel_ops(dtype)):
-        return 2
-    return 1
+    return panel_kernel(torch.bfloat16) is not None
 
 
 def can_use_panels(weight: torch.Tensor) -> bool:
     """Whether `weight` ([out, in], bf16, fp32, or int8 with scales) goes to a panel kernel."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return False
-    if not env_flag("PAGEDLLM_CPU_PACK_WEIGHTS", True) or _panel_ops(weight.dtype) is None:
+    kind = panel_kernel(weight.dtype)
+    if kind is None:
         return False
     k = weight.shape[1]
-    return k <= INT8_MAX_K if weight.dtype == torch.int8 else k % panel_group(weight.dtype) == 0
-
-
-def _panel_activation_dtypes(weight_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-    """The activations' dtypes each panel kernel multiplies (int8 weights take either)."""
-    return {
-        torch.float32: (torch.float32,),
-        torch.bfloat16: (torch.bfloat16,),
-        torch.int8: (torch.bfloat16, torch.float32),
-    }[weight_dtype]
+    return k <= INT8_MAX_K if kind == "int8" else k % _PANEL_GROUP[kind] == 0
 
 
 def to_panels(weight: torch.Tensor, group: int | None = None) -> torch.Tensor:
     """[N, K] -> [ceil(N / 64), K / g, 64, g]: panels of 64 output channels, k-groups of g
-    inputs inside (`panel_group`; default 4 bytes' worth: bf16 k-pairs, int8 k-quads, fp32
-    single inputs); zero rows pad N to a whole panel, and zero columns K to whole groups."""
+    inputs inside (each kernel's `_PANEL_GROUP`; default 4 bytes' worth: bf16 k-pairs, int8
+    k-quads, fp32 single inputs); zero rows pad N to a whole panel, and zero columns K to
+    whole groups."""
     n, k = weight.shape
     group = 4 // weight.element_size() if group is None else group
     padded = F.pad(weight, (0, -k % group, 0, -n % PANEL)) if n % PANEL or k % group else weight
@@ -158,35 +150,36 @@ def from_panels(panels: torch.Tensor, n: int, k: int | None = None) -> torch.Ten
 
 def pack_linear_weight_(
     module: torch.nn.Module, keep_plain: bool = False, weight: torch.Tensor | None = None
-) -> None:
-    """Lay out `module.weight` ([out, in]) for its CPU kernel (see the module docstring) and
-    free the plain copy's storage, unless `keep_plain` (a tied LM head: the embedding looks
-    rows up in it). `weight`: lay out this one instead (a tied head's int8 copy). No-op where
-    no packing applies."""
+) -> bool:
+    """Lay out `module.weight` ([out, in]) for its CPU kernel (see the module docstring), name
+    the kernel in `module.cpu_gemm` and free the plain copy's storage, unless `keep_plain` (a
+    tied LM head: the embedding looks rows up in it). `weight`: lay out this one instead (a
+    tied head's int8 copy). Returns whether it packed (no-op where no packing applies)."""
     activations = getattr(module, "activation_dtype", module.weight.dtype)
     weight = module.weight.data if weight is None else weight
-    if can_use_panels(weight) and activations in _panel_activation_dtypes(weight.dtype):
+    kind = panel_kernel(weight.dtype) if can_use_panels(weight) else None
+    # The activations each kernel multiplies: int8 weights take either, the others their own.
+    takes = (torch.bfloat16, torch.float32) if kind == "int8" else (weight.dtype,)
+    if kind is not None and activations in takes:
         # Buffers (not plain attributes): torch.compile then takes them as inputs of one graph
         # for every layer instead of constants that differ per layer.
-        group = panel_group(weight.dtype)
-        panels = to_panels(weight, group)
+        panels = to_panels(weight, _PANEL_GROUP[kind])
         module.register_buffer("weight_panels", panels, persistent=False)
-        if weight.dtype == torch.int8:  # sum_k q[n, k], for the activations' zero points
+        if kind == "int8":  # sum_k q[n, k], for the activations' zero points
             colsum = weight.sum(dim=1, dtype=torch.int32)
             colsum = F.pad(colsum, (0, panels.shape[0] * PANEL - len(colsum)))
             module.register_buffer("weight_colsum", colsum, persistent=False)
-            module.cpu_gemm = "int8"
-        else:  # k-pairs: the AVX512-BF16 kernel; single inputs: the AVX2 one
-            module.cpu_gemm = "bf16" if group == 2 else "avx2"
     elif weight.dtype != torch.int8 and can_pack(weight):
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
         module.register_buffer("weight_packed", packed, persistent=False)
-        module.cpu_gemm = "onednn"
+        kind = "onednn"
     else:
-        return
+        return False
+    module.cpu_gemm = kind
     module.weight_out_features = weight.shape[0]
     if not keep_plain:
         module.weight.data = torch.empty(0, dtype=weight.dtype)
+    return True
 
 
 def packed_linear(

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed import get_tp_rank, get_tp_world_size, tp_all_reduce
-from pagedllm.layers.cpu_gemm import can_use_panels, pack_linear_weight_
+from pagedllm.layers.cpu_gemm import pack_linear_weight_
 from pagedllm.layers.linear import set_weight_loader
 from pagedllm.layers.quantization import quantize_rows
 
@@ -75,9 +75,8 @@ class VocabParallelEmbedding(nn.Module):
             return
         if self.quantize_logits:  # an int8 copy for the logits, where the int8 kernel runs
             q, scale = quantize_rows(self.weight.data)
-            if can_use_panels(q):
+            if pack_linear_weight_(self, keep_plain=True, weight=q):
                 self.register_buffer("weight_scale", scale, persistent=False)
-                pack_linear_weight_(self, keep_plain=True, weight=q)
                 return
         pack_linear_weight_(self, keep_plain=True)
 

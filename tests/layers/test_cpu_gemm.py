@@ -108,6 +108,19 @@ def test_bf16_stays_plain_without_onednn_bf16(monkeypatch):
     assert torch.equal(layer(x), F.linear(x, weight))
 
 
+def test_fp16_weights_stay_plain():
+    """No CPU kernel takes fp16 weights: an explicit `dtype="float16"` model loads (it used to
+    fail on an AVX2 CPU, sent to the bf16 panels) and multiplies with F.linear."""
+    with torch.device("cpu"):
+        layer = RowParallelLinear(64, 32, params_dtype=torch.float16)
+    layer.weight.data.normal_()
+    weight = layer.weight.data.clone()
+    layer.process_weights_after_loading()
+    assert layer.cpu_gemm is None and torch.equal(layer.weight.data, weight)
+    x = torch.randn(3, 64, dtype=torch.float16)
+    assert torch.equal(layer(x), F.linear(x, weight))
+
+
 SHAPES = [(64, 2), (100, 6), (130, 768)]
 
 

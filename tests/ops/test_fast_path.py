@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="native CPU ops not bu
 
 def _forget_ops() -> None:
     build.cpu_ops.cache_clear()
-    cpu_gemm._panel_ops.cache_clear()
+    cpu_gemm._panel_kernel_on_this_cpu.cache_clear()
 
 
 def _generate(model_dir, prompts, kernels: bool, monkeypatch, panels=None, logprobs=None, **kw):
