@@ -44,36 +44,54 @@ def median_seconds(fn, passes: int = 15) -> float:
     return sorted(times)[passes // 2]
 
 
+def shapes():
+    """(N, K, enough weight copies to exceed the caches) per shape."""
+    for n, k in SHAPES:
+        yield n, k, [torch.randn(n, k) for _ in range(max(1, (200 << 20) // (n * k * 4)))]
+
+
+def rows(n: int, k: int):
+    """The batch sizes timed for an N x K weight (no prefill sizes for the LM head)."""
+    return [m for m in ROWS if m <= 64 or n * k <= 10_000_000]
+
+
+def timed(kinds: dict, copies: int, n: int, k: int, m: int) -> dict[str, tuple[float, str]]:
+    """name -> (seconds per GEMM, table cell) for kinds: name -> (weight bytes per value, fn
+    over all copies)."""
+    cells = {}
+    for name, (nbytes, fn) in kinds.items():
+        s = median_seconds(fn) / copies
+        gbs, gflops = n * k * nbytes / s / 1e9, 2 * m * n * k / s / 1e9
+        cells[name] = (s, f"{s * 1e6:.0f} us ({gbs:.1f} GB/s, {gflops:.0f} GFLOP/s)")
+    return cells
+
+
 def main() -> None:
     ops = cpu_ops()
     panels_ok = ops is not None and ops.cpu_has_avx2_fma()
     print(f"threads {torch.get_num_threads()}, fp32 panels: {panels_ok}")
     print("| N x K | M | MKL (F.linear) | oneDNN prepacked | pagedllm panels | panels vs oneDNN |")
     print("|---|---|---|---|---|---|")
-    for n, k in SHAPES:
-        copies = max(1, (200 << 20) // (n * k * 4))
-        weights = [torch.randn(n, k) for _ in range(copies)]
+    for n, k, weights in shapes():
         packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
         panels = [to_panels(w, 1) for w in weights] if panels_ok else []
-        for m in ROWS:
-            if m > 64 and n * k > 10_000_000:
-                continue
+        for m in rows(n, k):
             x = torch.randn(m, k)
             kinds = {
-                "mkl": lambda x=x, ws=weights: [F.linear(x, w) for w in ws],
-                "onednn": lambda x=x, ps=packed: [
-                    torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in ps
-                ],
+                "mkl": (4, lambda x=x, ws=weights: [F.linear(x, w) for w in ws]),
+                "onednn": (
+                    4,
+                    lambda x=x, ps=packed: [
+                        torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in ps
+                    ],
+                ),
             }
             if panels_ok:
-                kinds["panels"] = lambda x=x, ps=panels, n=n: [
-                    ops.linear_avx2(x, p, None, n, False) for p in ps
-                ]
-            cells = {}
-            for name, fn in kinds.items():
-                s = median_seconds(fn) / copies
-                gbs, gflops = n * k * 4 / s / 1e9, 2 * m * n * k / s / 1e9
-                cells[name] = (s, f"{s * 1e6:.0f} us ({gbs:.1f} GB/s, {gflops:.0f} GFLOP/s)")
+                kinds["panels"] = (
+                    4,
+                    lambda x=x, ps=panels, n=n: [ops.linear_avx2(x, p, None, n, False) for p in ps],
+                )
+            cells = timed(kinds, len(weights), n, k, m)
             ratio = f"{cells['onednn'][0] / cells['panels'][0]:.2f}x" if panels_ok else "-"
             row = [cells[name][1] for name in ("mkl", "onednn")]
             row.append(cells["panels"][1] if panels_ok else "-")
@@ -85,9 +103,7 @@ def by_weight_dtype() -> None:
     print(f"threads {torch.get_num_threads()}")
     print("| N x K | M | fp32 | bf16 | int8 (W8A8) | fp32 / bf16 | fp32 / int8 |")
     print("|---|---|---|---|---|---|---|")
-    for n, k in SHAPES:
-        copies = max(1, (200 << 20) // (n * k * 4))
-        weights = [torch.randn(n, k) for _ in range(copies)]
+    for n, k, weights in shapes():
         f32 = [to_panels(w, 1) for w in weights]
         b16 = [to_panels(w.to(torch.bfloat16), 1) for w in weights]
         i8 = []
@@ -96,9 +112,7 @@ def by_weight_dtype() -> None:
             panels = to_panels(q)
             colsum = F.pad(q.sum(dim=1, dtype=torch.int32), (0, panels.shape[0] * 64 - n))
             i8.append((panels, scale, colsum))
-        for m in ROWS:
-            if m > 64 and n * k > 10_000_000:
-                continue
+        for m in rows(n, k):
             x = torch.randn(m, k)
             xb = x.to(torch.bfloat16)
             kinds = {
@@ -117,13 +131,10 @@ def by_weight_dtype() -> None:
                     ],
                 ),
             }
-            secs, cells = {}, []
-            for name, (nbytes, fn) in kinds.items():
-                s = secs[name] = median_seconds(fn) / copies
-                gbs, gflops = n * k * nbytes / s / 1e9, 2 * m * n * k / s / 1e9
-                cells.append(f"{s * 1e6:.0f} us ({gbs:.1f} GB/s, {gflops:.0f} GFLOP/s)")
-            ratios = [f"{secs['fp32'] / secs[d]:.2f}x" for d in ("bf16", "int8")]
-            print(f"| {n} x {k} | {m} | " + " | ".join(cells + ratios) + " |")
+            cells = timed(kinds, len(weights), n, k, m)
+            ratios = [f"{cells['fp32'][0] / cells[d][0]:.2f}x" for d in ("bf16", "int8")]
+            row = [cells[name][1] for name in ("fp32", "bf16", "int8")]
+            print(f"| {n} x {k} | {m} | " + " | ".join(row + ratios) + " |")
 
 
 if __name__ == "__main__":
