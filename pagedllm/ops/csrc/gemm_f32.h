@@ -24,7 +24,6 @@
 #include <cstring>
 
 #include "common.h"
-
 #include "gemm.h"
 
 namespace pagedllm {

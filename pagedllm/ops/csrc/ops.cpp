@@ -139,7 +139,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
                        const at::Tensor& colsum, const c10::optional<at::Tensor>& bias, int64_t n,
                        bool out_fp32) {
   const bool vnni = cpu_has_avx512_vnni();
-  TORCH_CHECK(vnni || __builtin_cpu_supports("avx2"), "pagedllm::linear_int8 needs AVX2");
+  TORCH_CHECK(vnni || cpu_has_avx2_fma(), "pagedllm::linear_int8 needs AVX512-VNNI or AVX2 + FMA");
   check_any_rows(x, "x");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(w.scalar_type() == at::kChar && w.is_contiguous() && w.dim() == 4 &&
