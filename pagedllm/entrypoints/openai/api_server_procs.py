@@ -155,4 +155,8 @@ def run_api_server_worker(
         "pid=%(process)d] %(name)s: %(message)s",
     )
     threading.Thread(target=_parent_watchdog, args=(parent_pid,), daemon=True).start()
+    # The head owns the shutdown (SIGTERM to each API server): a Ctrl-C, which reaches the
+    # whole process group, is ignored here rather than raised as a KeyboardInterrupt (asyncio
+    # and uvicorn re-raise it after their graceful exit, a traceback per process).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     raise SystemExit(run_server(args, sock, client_config, gate))
