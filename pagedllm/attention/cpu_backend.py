@@ -4,7 +4,8 @@
 bf16 and fp32 caches: instead of gathering their blocks into a padded buffer and masking, one native
 call (`torch.ops.pagedllm.paged_decode_attention`, `pagedllm/ops/csrc/attention.h`) walks
 each request's block table, one (request, KV head) pair per work item, its query heads
-sharing every K/V row read. Prefills and short multi-token queries keep the SDPA path.
+sharing every K/V row read. Prefills and short multi-token queries keep the SDPA path. The
+step's K/V rows go into the cache by one native row copy (`reshape_and_cache`).
 """
 
 from __future__ import annotations
@@ -68,6 +69,17 @@ class CpuAttentionBackend(TorchAttentionBackend):
             max_seq_len=int(np.asarray(common.seq_lens_cpu)[decodes].max()),
         )
         return decodes[:0]
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [T, Hkv, D]
+        value: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        metadata: TorchAttentionMetadata,
+    ) -> None:
+        """The step's K/V rows into their cache slots: one native call (a row copy each)."""
+        if metadata.num_actual_tokens:
+            self.ops.reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
 
     def forward(
         self,

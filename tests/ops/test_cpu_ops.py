@@ -200,6 +200,29 @@ def reference_decode(q, kv_cache, block_table, seq_lens, scale):
     return torch.stack(outs)
 
 
+@pytest.mark.skipif(ops is None, reason="no native build")
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_reshape_and_cache(dtype):
+    """The native KV write equals two index_copy_ calls: strided K/V rows (columns of a fused
+    QKV output), padding rows after the slot mapping's, every other slot untouched; a slot
+    outside the cache is an error, not a write."""
+    g = torch.Generator().manual_seed(0)
+    blocks, block_size, hkv, d, t, n = 7, 16, 3, 64, 40, 33
+    qkv = torch.randn(t, (3 + 2) * hkv * d, generator=g).to(dtype)
+    key = qkv[:, 3 * hkv * d : 4 * hkv * d].view(t, hkv, d)
+    value = qkv[:, 4 * hkv * d :].view(t, hkv, d)
+    slots = torch.randperm(blocks * block_size, generator=g)[:n]
+    cache = torch.randn(2, blocks, block_size, hkv, d, generator=g).to(dtype)
+    ref = cache.clone()
+    ref[0].view(-1, hkv * d).index_copy_(0, slots, key[:n].reshape(n, -1))
+    ref[1].view(-1, hkv * d).index_copy_(0, slots, value[:n].reshape(n, -1))
+    ops.reshape_and_cache(key, value, cache, slots)
+    assert torch.equal(cache, ref)
+    with pytest.raises(RuntimeError, match="out of the KV cache"):
+        ops.reshape_and_cache(key, value, cache, torch.tensor([blocks * block_size]))
+    assert torch.equal(cache, ref)
+
+
 @pytest.mark.parametrize(
     "heads,kv_heads,d,block_size,lens",
     [

@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "common.h"
 #include "gemm.h"
@@ -89,9 +90,20 @@ template <class W, class E>
 PAGEDLLM_AVX2_TARGET static void gemm_f32_item(const GemmF32Args& a, int64_t m0, int64_t m1,
                                               int64_t p, float* c) {
   const W* panel = static_cast<const W*>(a.w) + p * a.K * kPanel;
+  // bf16 weights for two or more 6-row tiles: widen the chunk once into fp32 (16 KB, L1), so
+  // the tiles' inner loop has no conversions (they would compete with the FMAs for ports).
+  constexpr bool widen = !std::is_same_v<W, float>;
+  alignas(64) float wide[widen ? kF32KChunk * kPanel : 1];
   for (int64_t k0 = 0; k0 < a.K; k0 += kF32KChunk) {
     const int64_t nk = std::min(kF32KChunk, a.K - k0);
     int64_t m = m0;
+    if (widen && m1 - m0 >= 12) {
+      const W* src = panel + k0 * kPanel;
+      for (int64_t i = 0; i < nk * kPanel; i += 8) _mm256_store_ps(wide + i, load8(src + i));
+      for (; m + 6 <= m1; m += 6)
+        rows6(a.x + m * a.ldx + k0, a.ldx, static_cast<const float*>(wide), nk,
+              c + (m - m0) * kPanel, k0 > 0);
+    }
     for (; m + 6 <= m1; m += 6)
       rows6(a.x + m * a.ldx + k0, a.ldx, panel + k0 * kPanel, nk, c + (m - m0) * kPanel, k0 > 0);
     for (; m < m1; ++m)

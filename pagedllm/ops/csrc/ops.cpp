@@ -251,6 +251,43 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
   });
 }
 
+// kv_cache[0][slot_mapping[t]] = key[t], kv_cache[1][slot_mapping[t]] = value[t] for the
+// first n = slot_mapping.numel() rows: the step's K/V rows copied into their cache slots, one
+// memcpy per row (what two index_copy_ calls do at ~10 ns an element). Rows may be strided (the
+// K and V columns of the fused QKV output); each row's heads must be contiguous.
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
+                       const at::Tensor& slot_mapping) {
+  check_like(value, key, "value");
+  check_like(kv_cache, key, "kv_cache");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache: contiguous [2, num_blocks, block_size, Hkv, D]");
+  const int64_t row = kv_cache.size(3) * kv_cache.size(4);
+  const int64_t slots = kv_cache.size(1) * kv_cache.size(2);
+  for (const at::Tensor* t : {&key, &value})
+    TORCH_CHECK(t->dim() == 3 && t->size(1) * t->size(2) == row && t->stride(2) == 1 &&
+                    t->stride(1) == t->size(2),
+                "key / value: [T, Hkv, D] rows with contiguous heads, as the cache's");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+              "slot_mapping: int64");
+  const int64_t n = slot_mapping.numel();
+  TORCH_CHECK(n <= key.size(0) && n <= value.size(0), "slot_mapping has more rows than key / value");
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot ", slot[t], " out of the KV cache");
+  const int64_t bytes = row * key.element_size();
+  char* k_cache = static_cast<char*>(kv_cache.data_ptr());
+  char* v_cache = k_cache + slots * bytes;
+  const char* k = static_cast<const char*>(key.data_ptr());
+  const char* v = static_cast<const char*>(value.data_ptr());
+  const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
+  at::parallel_for(0, n, row_grain(2 * row), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      std::memcpy(k_cache + slot[t] * bytes, k + t * ks, bytes);
+      std::memcpy(v_cache + slot[t] * bytes, v + t * vs, bytes);
+    }
+  });
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                                   const at::Tensor& block_table, const at::Tensor& seq_lens,
                                   int64_t max_seq_len, double scale) {
@@ -297,6 +334,8 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def("silu_and_mul(Tensor x) -> Tensor", &pagedllm::silu_and_mul);
   m.def("rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos_sin_cache, "
         "int head_size, int rot) -> ()", &pagedllm::rotary_embedding);
+  m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()",
+        &pagedllm::reshape_and_cache);
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
         "int max_seq_len, float scale) -> Tensor", &pagedllm::paged_decode_attention);
 }
