@@ -8,6 +8,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <type_traits>
 #include <vector>
 
@@ -36,18 +37,25 @@ void check_rows(const at::Tensor& t, const char* name) {
 
 // The panel GEMMs' work on ATen's threads: item(m0, m1, p, c) for every (row block, panel)
 // pair of an M x N product, row block major; c: a row block's accumulators (Acc, kPanel a
-// row), one buffer per thread.
+// row), one buffer per thread. The threads take runs of items from a shared counter instead of
+// equal shares fixed up front: on a shared machine a thread that loses its core for a while
+// then delays nobody (a static split makes the others wait for its share at the end). Each
+// item writes its own outputs, so which thread runs it changes no result.
 template <class Acc, class Item>
 void for_gemm_items(int64_t M, int64_t N, Item&& item) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
   const int64_t block = std::min(kRowBlock, M);
-  const int64_t blocks = (M + block - 1) / block;
-  at::parallel_for(0, blocks * panels, 1, [&](int64_t begin, int64_t end) {
+  const int64_t total = (M + block - 1) / block * panels;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), total);
+  const int64_t run = std::max<int64_t>(1, total / (threads * 16));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<Acc> c(block * kPanel);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t m0 = i / panels * block;
-      item(m0, std::min(M, m0 + block), i % panels, c.data());
-    }
+    for (int64_t i0; (i0 = next.fetch_add(run, std::memory_order_relaxed)) < total;)
+      for (int64_t i = i0, end = std::min(total, i0 + run); i < end; ++i) {
+        const int64_t m0 = i / panels * block;
+        item(m0, std::min(M, m0 + block), i % panels, c.data());
+      }
   });
 }
 
