@@ -4,12 +4,16 @@
 bf16 and fp32 caches: instead of gathering their blocks into a padded buffer and masking, one native
 call (`torch.ops.pagedllm.paged_decode_attention`, `pagedllm/ops/csrc/attention.h`) walks
 each request's block table, one (request, KV head) pair per work item, its query heads
-sharing every K/V row read. Prefills and short multi-token queries keep the SDPA path. The
-step's K/V rows go into the cache by one native row copy (`reshape_and_cache`).
+sharing every K/V row read. Multi-token queries (prefills, their chunks, prefix-cache hits,
+speculative tokens) go to the native prefill kernel on AVX2 CPUs (`paged_prefill_attention`:
+all of a step's in one call, causal, K/V from the paged cache, an online softmax over blocks of
+8 keys); elsewhere, or for a head size it lacks, the SDPA path. The step's K/V rows go into the
+cache by one native row copy (`reshape_and_cache`).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +25,9 @@ from pagedllm.attention.torch_backend import (
     TorchAttentionMetadata,
     _rows,
 )
+
+# Head sizes of the native prefill kernel (ops/csrc/attention.h, prefill_head_size_ok).
+PREFILL_HEAD_SIZES = (32, 64, 80, 96, 128)
 
 
 @dataclass
@@ -34,8 +41,21 @@ class NativeDecodes:
 
 
 @dataclass
+class NativeMulti:
+    """The step's multi-token requests (prefills, chunks, prefix-cache hits), for the native
+    prefill kernel: indices into the step's requests, and the step's per-request tensors."""
+
+    reqs: torch.Tensor  # [P] int64
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int64
+    block_table: torch.Tensor  # [num_reqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32
+    common: CommonAttentionMetadata  # for the SDPA path (head sizes the kernel lacks)
+
+
+@dataclass
 class CpuAttentionMetadata(TorchAttentionMetadata):
     decodes: NativeDecodes | None = None
+    multi: NativeMulti | None = None
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -48,6 +68,35 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def __init__(self, ops, max_batched_query_len: int = 8) -> None:
         super().__init__(max_batched_query_len)
         self.ops = ops
+
+    @functools.cached_property
+    def _native_multi(self) -> bool:
+        """Whether the native prefill kernel runs here (it is AVX2 + FMA code)."""
+        return bool(self.ops.cpu_has_avx2_fma())
+
+    def _take_multi(
+        self, meta: TorchAttentionMetadata, common: CommonAttentionMetadata, reqs: np.ndarray
+    ) -> np.ndarray:
+        if not len(reqs) or not self._native_multi:
+            return reqs
+        meta.multi = NativeMulti(
+            reqs=torch.from_numpy(reqs.astype(np.int64)),
+            query_start_loc=torch.from_numpy(
+                np.asarray(common.query_start_loc_cpu, dtype=np.int64)
+            ),
+            block_table=common.block_table,
+            seq_lens=common.seq_lens,
+            common=common,
+        )
+        return reqs[:0]
+
+    def _sdpa_instead(self, meta: CpuAttentionMetadata) -> None:
+        """A head size the native prefill kernel lacks: the multi-token requests go back to the
+        SDPA path (one request at a time), decided at the step's first layer."""
+        m, meta.multi = meta.multi, None
+        meta.prefills = [self._build_prefill(m.common, r) for r in m.reqs.tolist()]
+        gathers = [p.block_ids.shape[0] for p in meta.prefills if p.block_ids is not None]
+        meta.max_gather_blocks = max([meta.max_gather_blocks, *gathers])
 
     def _take_decodes(
         self, meta: TorchAttentionMetadata, common: CommonAttentionMetadata, decodes: np.ndarray
@@ -90,14 +139,25 @@ class CpuAttentionBackend(TorchAttentionBackend):
         metadata: CpuAttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        d = metadata.decodes
+        if metadata.multi is not None and query.shape[2] not in PREFILL_HEAD_SIZES:
+            self._sdpa_instead(metadata)
+        d, m = metadata.decodes, metadata.multi
         if d is not None and isinstance(d.rows, slice) and d.rows == slice(0, query.shape[0]):
             # A decode-only step: the kernel writes every row of the output.
             self.write_kv(key, value, kv_cache, metadata)
             return self.ops.paged_decode_attention(
                 query, kv_cache, d.block_table, d.seq_lens, d.max_seq_len, scale
             )
-        out = super().forward(query, key, value, kv_cache, metadata, scale)  # writes K/V first
+        if m is None:
+            out = super().forward(query, key, value, kv_cache, metadata, scale)  # writes K/V
+        else:  # every request is native: the multi-token ones here, decodes below
+            self.write_kv(key, value, kv_cache, metadata)
+            out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+            self.ops.paged_prefill_attention(
+                query, out, kv_cache, m.block_table, m.seq_lens, m.query_start_loc, m.reqs, scale
+            )
+            if metadata.num_actual_tokens < query.shape[0]:
+                out[metadata.num_actual_tokens :].zero_()  # padding rows: defined values
         if d is not None:
             rows = d.rows
             q = query[rows] if isinstance(rows, slice) else query.index_select(0, rows)

@@ -179,8 +179,9 @@ class TorchAttentionBackend(AttentionBackend):
         )
         query_lens = np.diff(qsl)
         decodes = self._take_decodes(meta, common, np.flatnonzero(query_lens == 1))
-        shorts = np.flatnonzero((query_lens > 1) & (query_lens <= self.max_batched_query_len))
-        for r in np.flatnonzero(query_lens > self.max_batched_query_len).tolist():
+        multi = self._take_multi(meta, common, np.flatnonzero(query_lens > 1))
+        shorts = multi[query_lens[multi] <= self.max_batched_query_len]
+        for r in multi[query_lens[multi] > self.max_batched_query_len].tolist():
             meta.prefills.append(self._build_prefill(common, r))
         bs = common.block_size
         for reqs in (decodes, shorts):
@@ -205,6 +206,13 @@ class TorchAttentionBackend(AttentionBackend):
         """The decode requests (query_len 1) left to batched SDPA groups: all of them here; a
         subclass with its own decode kernel records them in `meta` and returns fewer."""
         return decodes
+
+    def _take_multi(
+        self, meta: TorchAttentionMetadata, common: CommonAttentionMetadata, reqs: np.ndarray
+    ) -> np.ndarray:
+        """The multi-token requests left to SDPA (batched if short, one by one if long): all of
+        them here; a subclass with its own kernel for them records them and returns fewer."""
+        return reqs
 
     def _build_group(
         self,

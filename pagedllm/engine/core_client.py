@@ -65,6 +65,8 @@ class EngineCoreClient(ABC):
     """
 
     num_blocks: int = 0
+    # The engines ended because a signal stopped them (SIGTERM / SIGINT), not by failing.
+    stopped_by_signal: bool = False
 
     @staticmethod
     def make_client(
@@ -568,6 +570,7 @@ class MPClient(EngineCoreClient):
         if self._dead_error is not None:
             return
         self._dead_error = error
+        self.stopped_by_signal = stopped
         if stopped:  # nothing failed: not reported as a death
             logger.warning("EngineCore was stopped by a signal (SIGTERM / SIGINT)")
         else:

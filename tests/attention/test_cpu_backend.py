@@ -1,5 +1,6 @@
-"""CpuAttentionBackend (decodes through the native paged kernel) against the dense reference
-and against TorchAttentionBackend, on the same randomized mixed batches."""
+"""CpuAttentionBackend (decodes and multi-token queries through the native paged kernels)
+against the dense reference and against TorchAttentionBackend, on the same randomized mixed
+batches; head size 48, which the prefill kernel lacks, takes the SDPA path for those."""
 
 from __future__ import annotations
 
@@ -19,14 +20,17 @@ pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="native CPU ops not bu
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (4, 1)])
 @pytest.mark.parametrize("pad_rows", [0, 3])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_matches_reference_and_torch_backend(scenario, num_heads, num_kv_heads, pad_rows, dtype):
+@pytest.mark.parametrize("head_size", [64, 48])
+def test_matches_reference_and_torch_backend(
+    scenario, num_heads, num_kv_heads, pad_rows, dtype, head_size
+):
     def batch():
         return Batch(
             SCENARIOS[scenario],
             block_size=16,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
-            head_size=64,
+            head_size=head_size,
             dtype=dtype,
             device="cpu",
             pad_rows=pad_rows,

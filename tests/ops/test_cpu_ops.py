@@ -8,6 +8,7 @@ fp32-accumulation tolerances.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -248,3 +249,83 @@ def test_paged_decode_attention(heads, kv_heads, d, block_size, lens, dtype):
     ref = reference_decode(q, kv, table, seq_lens, scale)
     tol = 2e-2 if dtype == BF16 else 2e-5  # bf16: the output's rounding
     torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+
+
+def reference_prefill(q, kv_cache, block_table, seq_lens, qsl, reqs, scale):
+    """Per request: its K/V rows through the block table; query row i (position
+    seq_len - q_len + i) attends to keys 0 .. its position; SDPA in fp64."""
+    _, _, bs, hkv, d = kv_cache.shape
+    out = {}
+    for r in reqs.tolist():
+        length, start, end = int(seq_lens[r]), int(qsl[r]), int(qsl[r + 1])
+        blocks = block_table[r, : -(-length // bs)].long()
+        k = kv_cache[0, blocks].reshape(-1, hkv, d)[:length].double().transpose(0, 1)[None]
+        v = kv_cache[1, blocks].reshape(-1, hkv, d)[:length].double().transpose(0, 1)[None]
+        pos = torch.arange(length - (end - start), length)
+        mask = torch.arange(length)[None, :] <= pos[:, None]  # [q_len, length]
+        qr = q[start:end].double().transpose(0, 1)[None]  # [1, H, q_len, D]
+        o = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[r] = o[0].transpose(0, 1)
+    return out
+
+
+@needs_avx2
+@pytest.mark.parametrize(
+    "heads,kv_heads,d,block_size,spans",
+    [
+        (9, 3, 64, 16, [(0, 147), (0, 1), (100, 40), (0, 2), (31, 9)]),  # SmolLM2's heads
+        (12, 4, 64, 16, [(0, 300), (16, 1), (5, 17)]),
+        (4, 4, 128, 32, [(40, 33)]),
+        (8, 1, 80, 16, [(0, 64), (3, 5)]),
+        (4, 2, 32, 16, [(0, 20), (60, 20)]),
+    ],
+)
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_paged_prefill_attention(heads, kv_heads, d, block_size, spans, dtype):
+    """Multi-token queries (spans: context, new rows) against fp64 SDPA with the bottom-right
+    causal mask; rows of requests not asked for stay untouched; and a request's rows come out
+    bit-identical in one call or in chunks (as chunked prefill and prefix caching split it),
+    whatever else is in the call."""
+    g = torch.Generator().manual_seed(sum(c + n for c, n in spans) + d)
+    num_blocks = 96
+    lens = [c + n for c, n in spans]
+    kv = torch.randn(2, num_blocks, block_size, kv_heads, d, generator=g).to(dtype)
+    max_blocks = max(-(-n // block_size) for n in lens) + 1
+    table = torch.stack([torch.randperm(num_blocks, generator=g)[:max_blocks] for _ in lens]).int()
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    qsl = torch.tensor([0] + list(np.cumsum([n for _, n in spans])), dtype=torch.int64)
+    t = int(qsl[-1])
+    q = torch.randn(t + 3, heads, d, generator=g).to(dtype)  # 3 padding rows
+    scale = d**-0.5
+    reqs = torch.tensor([r for r, (_, n) in enumerate(spans) if n > 1 or r % 2], dtype=torch.int64)
+    out = torch.full_like(q, 7.0)
+    ops.paged_prefill_attention(q, out, kv, table, seq_lens, qsl, reqs, scale)
+    ref = reference_prefill(q, kv, table, seq_lens, qsl, reqs, scale)
+    tol = 2e-2 if dtype == BF16 else 2e-5
+    done = torch.zeros(t + 3, dtype=torch.bool)
+    for r, o in ref.items():
+        rows = slice(int(qsl[r]), int(qsl[r + 1]))
+        torch.testing.assert_close(out[rows].double(), o, rtol=tol, atol=tol)
+        done[rows] = True
+    assert (out[~done] == 7.0).all()
+    # The last request again, its rows split in two calls (context grows by the first part).
+    r = int(reqs[-1])
+    ctx, n = spans[r]
+    if n > 1:
+        cut = n // 2
+        rows = slice(int(qsl[r]), int(qsl[r + 1]))
+        one = torch.empty_like(q[rows])
+        for c0, c1 in ((0, cut), (cut, n)):
+            sub_out = torch.empty(c1 - c0, heads, d, dtype=dtype)
+            ops.paged_prefill_attention(
+                q[rows][c0:c1].contiguous(),
+                sub_out,
+                kv,
+                table[r : r + 1],
+                torch.tensor([ctx + c1], dtype=torch.int32),
+                torch.tensor([0, c1 - c0]),
+                torch.tensor([0]),
+                scale,
+            )
+            one[c0:c1] = sub_out
+        assert torch.equal(one, out[rows])

@@ -301,6 +301,14 @@ async def _engine_watchdog(app: FastAPI, engine: AsyncLLM, keep_alive: bool) -> 
     uvicorn to exit (`app.state.request_shutdown`, set by `run_server`) unless `keep_alive`."""
     while not engine.errored:
         await asyncio.sleep(_ENGINE_WATCHDOG_INTERVAL_S)
+    request_shutdown = getattr(app.state, "request_shutdown", None)
+    if engine.engine_core.stopped_by_signal:
+        # A Ctrl-C or SIGTERM stopped the engine (with --api-server-count, the head stops the
+        # engines and these servers together): a shutdown, not a death to report.
+        logger.info("The engine was stopped by a signal; the server shuts down")
+        if request_shutdown is not None:
+            request_shutdown()
+        return
     if keep_alive:
         logger.error("The engine is dead; serving 503s (--keep-alive-on-engine-death)")
         return
@@ -310,7 +318,6 @@ async def _engine_watchdog(app: FastAPI, engine: AsyncLLM, keep_alive: bool) -> 
         EXIT_CODE_ENGINE_DEAD,
     )
     app.state.engine_dead_exit = True
-    request_shutdown = getattr(app.state, "request_shutdown", None)
     if request_shutdown is not None:
         request_shutdown()
 

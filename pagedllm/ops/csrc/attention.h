@@ -299,4 +299,194 @@ static void decode_item(const DecodeAttnArgs<E>& a, int64_t b, int64_t kvh, floa
   decode_values(a, b, kvh, G, L, scores, acc, tmp);
 }
 
+// ---- multi-token queries (prefills, chunked prefills, prefix-cache hits), AVX2 ---------
+//
+// Every query row attends to keys 0 .. its position, read from the paged cache (the step's
+// K/V rows are written first). Work item: (request, KV head, up to kPrefillRows query rows),
+// i.e. G * rows query vectors. Keys go by in blocks of 16: the block's K rows transposed to
+// fp32 [D][16] (8 x 8 register transposes) and its V rows widened to [16][D] once, then for
+// each query vector that sees the block: 16 scores (broadcast q[d] times row d of K^T, 4
+// vectors at a time), an online softmax update (running max m and sum l, the output rescaled
+// when m grows) and O += p V. A query vector's arithmetic depends only on its own position and
+// keys: the same in a whole prefill, in chunks, or after a prefix-cache hit, whatever else is
+// in the batch.
+
+constexpr int64_t kPrefillRows = 16;
+constexpr int64_t kPrefillKeys = 16;
+
+PAGEDLLM_AVX2_TARGET static inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// exp_approx on 8 lanes (the same reduction and polynomial, FMAs for the polynomial steps).
+PAGEDLLM_AVX2_TARGET static inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 big = _mm256_set1_ps(12582912.f);
+  const __m256 n = _mm256_sub_ps(
+      _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), big), big);
+  const __m256 r = _mm256_add_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))),
+                                 _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i bits =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// r[0..8) (8 rows of 8) transposed in place: r[i] lane j <- r[j] lane i.
+PAGEDLLM_AVX2_TARGET static inline void transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+// Floats of scratch one prefill item needs (G query heads per KV head, head size D).
+static inline int64_t prefill_scratch(int64_t G, int64_t D) {
+  const int64_t nq = kPrefillRows * G + 3;  // + 3 zero vectors: score blocks of 4
+  return nq * D * 2 + nq * 2 + D * kPrefillKeys * 2;
+}
+
+// One item: rows [r0, r0 + kPrefillRows) of request b, KV head kvh; out rows are H * D apart.
+template <class E, int C>
+PAGEDLLM_AVX2_TARGET static void prefill_item_avx2(const DecodeAttnArgs<E>& a, const int64_t* qsl,
+                                                   int64_t b, int64_t kvh, int64_t r0,
+                                                   float* scratch) {
+  constexpr int64_t D = 8 * C, KB = kPrefillKeys;
+  const int64_t H = a.num_heads, G = H / a.num_kv_heads;
+  const int64_t qlen = qsl[b + 1] - qsl[b], ctx = a.seq_lens[b] - qlen;
+  const int64_t r1 = std::min(qlen, r0 + kPrefillRows), nq = (r1 - r0) * G;
+  float* qf = scratch;            // [nq + 3][D] scaled queries (3 zero vectors after)
+  float* o = qf + (nq + 3) * D;   // [nq + 3][D] unnormalized outputs
+  float* ml = o + (nq + 3) * D;   // [nq][2] running max, running sum
+  float* kt = ml + 2 * (nq + 3);  // [D][KB] the key block, transposed
+  float* vf = kt + D * KB;        // [KB][D] the value block
+  const __m256 scale = _mm256_set1_ps(a.scale);
+  for (int64_t i = 0; i < nq + 3; ++i) {
+    const typename E::T* q = a.q + (qsl[b] + r0 + i / G) * a.q_stride + (kvh * G + i % G) * D;
+    for (int c = 0; c < C; ++c) {
+      const __m256 v = i < nq ? _mm256_mul_ps(load8(q + 8 * c), scale) : _mm256_setzero_ps();
+      _mm256_storeu_ps(qf + i * D + 8 * c, v);
+      _mm256_storeu_ps(o + i * D + 8 * c, _mm256_setzero_ps());
+    }
+    if (i < nq) ml[2 * i] = -INFINITY, ml[2 * i + 1] = 0.f;
+  }
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const int64_t end = ctx + r1;  // the last row's keys: 0 .. end - 1
+  for (int64_t j0 = 0; j0 < end; j0 += KB) {
+    const int64_t nk = std::min(KB, end - j0);
+    for (int64_t h = 0; h < KB; h += 8) {  // keys j0 + h .. + 8: transpose 8 x 8 tiles
+      const typename E::T* k[8];
+      for (int64_t j = 0; j < 8; ++j) {
+        k[j] = h + j < nk ? a.row(b, kvh, j0 + h + j, false) : nullptr;
+        const typename E::T* v = h + j < nk ? a.row(b, kvh, j0 + h + j, true) : nullptr;
+        for (int c = 0; c < C; ++c)
+          _mm256_storeu_ps(vf + (h + j) * D + 8 * c, v ? load8(v + 8 * c) : _mm256_setzero_ps());
+      }
+      for (int c = 0; c < C; ++c) {
+        __m256 r[8];
+        for (int j = 0; j < 8; ++j) r[j] = k[j] ? load8(k[j] + 8 * c) : _mm256_setzero_ps();
+        transpose8(r);
+        for (int d = 0; d < 8; ++d) _mm256_storeu_ps(kt + (8 * c + d) * KB + h, r[d]);
+      }
+    }
+    // Rows before j0 - ctx see none of this block.
+    for (int64_t i = std::max<int64_t>(0, j0 - ctx - r0) * G; i < nq; i += 4) {
+      // Eight named accumulators: as an array, GCC keeps them on the stack.
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0, c0 = a0, c1 = a0, d0 = a0,
+             d1 = a0;
+      const float* q0 = qf + i * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const __m256 k0 = _mm256_loadu_ps(kt + d * KB), k1 = _mm256_loadu_ps(kt + d * KB + 8);
+        __m256 qb = _mm256_broadcast_ss(q0 + d);
+        a0 = _mm256_fmadd_ps(qb, k0, a0), a1 = _mm256_fmadd_ps(qb, k1, a1);
+        qb = _mm256_broadcast_ss(q0 + D + d);
+        b0 = _mm256_fmadd_ps(qb, k0, b0), b1 = _mm256_fmadd_ps(qb, k1, b1);
+        qb = _mm256_broadcast_ss(q0 + 2 * D + d);
+        c0 = _mm256_fmadd_ps(qb, k0, c0), c1 = _mm256_fmadd_ps(qb, k1, c1);
+        qb = _mm256_broadcast_ss(q0 + 3 * D + d);
+        d0 = _mm256_fmadd_ps(qb, k0, d0), d1 = _mm256_fmadd_ps(qb, k1, d1);
+      }
+      const __m256 s[4][2] = {{a0, a1}, {b0, b1}, {c0, c1}, {d0, d1}};
+      for (int u = 0; u < 4 && i + u < nq; ++u) {
+        const int64_t qi = i + u, pos = ctx + r0 + qi / G;
+        const __m256i seen = _mm256_set1_epi32(static_cast<int32_t>(pos - j0 + 1));
+        const __m256 v0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(seen, iota));
+        const __m256 v1 = _mm256_castsi256_ps(
+            _mm256_cmpgt_epi32(seen, _mm256_add_epi32(iota, _mm256_set1_epi32(8))));
+        const __m256 ninf = _mm256_set1_ps(-INFINITY);
+        const __m256 sc0 = _mm256_blendv_ps(ninf, s[u][0], v0);
+        const __m256 sc1 = _mm256_blendv_ps(ninf, s[u][1], v1);
+        float* oq = o + qi * D;
+        float& m = ml[2 * qi];
+        const float mb = hmax8(_mm256_max_ps(sc0, sc1));
+        if (mb > m) {
+          const float corr = exp_approx(m - mb);
+          m = mb;
+          ml[2 * qi + 1] *= corr;
+          const __m256 cv = _mm256_set1_ps(corr);
+          for (int c = 0; c < C; ++c)
+            _mm256_storeu_ps(oq + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(oq + 8 * c), cv));
+        }
+        const __m256 mv = _mm256_set1_ps(m);
+        const __m256 p0 = _mm256_and_ps(exp8(_mm256_sub_ps(sc0, mv)), v0);
+        const __m256 p1 = _mm256_and_ps(exp8(_mm256_sub_ps(sc1, mv)), v1);
+        ml[2 * qi + 1] += hsum8(_mm256_add_ps(p0, p1));
+        alignas(32) float pj[KB];
+        _mm256_store_ps(pj, p0);
+        _mm256_store_ps(pj + 8, p1);
+        const int64_t last = std::min(nk, pos - j0 + 1);  // keys this row sees
+        __m256 acc[C];
+        for (int c = 0; c < C; ++c) acc[c] = _mm256_loadu_ps(oq + 8 * c);
+        for (int64_t j = 0; j < last; ++j) {
+          const __m256 w = _mm256_set1_ps(pj[j]);
+          for (int c = 0; c < C; ++c)
+            acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vf + j * D + 8 * c), acc[c]);
+        }
+        for (int c = 0; c < C; ++c) _mm256_storeu_ps(oq + 8 * c, acc[c]);
+      }
+    }
+  }
+  for (int64_t i = 0; i < nq; ++i) {
+    typename E::T* out = a.out + (qsl[b] + r0 + i / G) * H * D + (kvh * G + i % G) * D;
+    const __m256 inv = _mm256_set1_ps(1.f / ml[2 * i + 1]);
+    for (int c = 0; c < C; ++c) store8(out + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(o + i * D + 8 * c), inv));
+  }
+}
+
+// Whether prefill_item runs head size D (the Python side asks before choosing it).
+static inline bool prefill_head_size_ok(int64_t D) {
+  return D == 32 || D == 64 || D == 80 || D == 96 || D == 128;
+}
+
+template <class E>
+static void prefill_item(const DecodeAttnArgs<E>& a, const int64_t* qsl, int64_t b, int64_t kvh,
+                         int64_t r0, float* scratch) {
+  switch (a.head_size) {
+    case 32: return prefill_item_avx2<E, 4>(a, qsl, b, kvh, r0, scratch);
+    case 64: return prefill_item_avx2<E, 8>(a, qsl, b, kvh, r0, scratch);
+    case 80: return prefill_item_avx2<E, 10>(a, qsl, b, kvh, r0, scratch);
+    case 96: return prefill_item_avx2<E, 12>(a, qsl, b, kvh, r0, scratch);
+    default: return prefill_item_avx2<E, 16>(a, qsl, b, kvh, r0, scratch);
+  }
+}
+
 }  // namespace pagedllm

@@ -323,6 +323,60 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   return out;
 }
 
+// out[rows of request r] = causal attention of those query rows over the request's keys in the
+// paged cache (its K/V rows written already), for each r in reqs (multi-token queries: a
+// prefill, a chunk of one, or the rest after a prefix-cache hit); attention.h's prefill items,
+// taken from a shared counter by ATen's threads.
+void paged_prefill_attention(const at::Tensor& q, at::Tensor& out, const at::Tensor& kv_cache,
+                             const at::Tensor& block_table, const at::Tensor& seq_lens,
+                             const at::Tensor& query_start_loc, const at::Tensor& reqs,
+                             double scale) {
+  TORCH_CHECK(cpu_has_avx2_fma(), "pagedllm::paged_prefill_attention needs AVX2 and FMA");
+  check_like(kv_cache, q, "kv_cache");
+  check_like(out, q, "out");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "query: [T, H, D] rows");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out: contiguous, query's shape");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache: contiguous [2, num_blocks, block_size, Hkv, D]");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1, "block_table: int32");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens: int32");
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kLong && query_start_loc.is_contiguous() &&
+                  query_start_loc.numel() == seq_lens.numel() + 1,
+              "query_start_loc: int64 [num_reqs + 1]");
+  TORCH_CHECK(reqs.scalar_type() == at::kLong && reqs.is_contiguous(), "reqs: int64");
+  const int64_t H = q.size(1), D = q.size(2), Hkv = kv_cache.size(3);
+  TORCH_CHECK(H % Hkv == 0 && kv_cache.size(4) == D, "head counts / sizes disagree");
+  TORCH_CHECK(prefill_head_size_ok(D), "paged_prefill_attention: head size ", D, " not supported");
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t* rp = reqs.data_ptr<int64_t>();
+  std::vector<int64_t> items;  // request, row block, KV head
+  for (int64_t i = 0; i < reqs.numel(); ++i) {
+    const int64_t r = rp[i];
+    TORCH_CHECK(r >= 0 && r < seq_lens.numel(), "request ", r, " out of range");
+    const int64_t qlen = qsl[r + 1] - qsl[r];
+    TORCH_CHECK(qsl[r] >= 0 && qsl[r + 1] <= q.size(0) && qlen >= 0 && qlen <= lens[r] &&
+                    (lens[r] + kv_cache.size(2) - 1) / kv_cache.size(2) <= block_table.size(1),
+                "request ", r, ": query rows / seq_len / block table disagree");
+    for (int64_t r0 = 0; r0 < qlen; r0 += kPrefillRows)
+      for (int64_t h = 0; h < Hkv; ++h) items.insert(items.end(), {r, r0, h});
+  }
+  const int64_t total = static_cast<int64_t>(items.size()) / 3;
+  if (total == 0) return;
+  by_dtype(q, "query", [&]<class E>() {
+    DecodeAttnArgs<E> a{data<E>(out), data<E>(q), q.stride(0), data<E>(kv_cache),
+                        kv_cache.size(1), kv_cache.size(2), H, Hkv, D,
+                        block_table.data_ptr<int32_t>(), block_table.stride(0), lens,
+                        static_cast<float>(scale)};
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), total), 1, [&](int64_t, int64_t) {
+      std::vector<float> buf(prefill_scratch(H / Hkv, D));
+      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < total;)
+        prefill_item(a, qsl, items[3 * i], items[3 * i + 2], items[3 * i + 1], buf.data());
+    });
+  });
+}
+
 }  // namespace
 }  // namespace pagedllm
 
@@ -344,6 +398,9 @@ TORCH_LIBRARY(pagedllm, m) {
         "int head_size, int rot) -> ()", &pagedllm::rotary_embedding);
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()",
         &pagedllm::reshape_and_cache);
+  m.def("paged_prefill_attention(Tensor q, Tensor(a!) out, Tensor kv_cache, Tensor block_table, "
+        "Tensor seq_lens, Tensor query_start_loc, Tensor reqs, float scale) -> ()",
+        &pagedllm::paged_prefill_attention);
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
         "int max_seq_len, float scale) -> Tensor", &pagedllm::paged_decode_attention);
 }
