@@ -119,6 +119,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
         )
         return decodes[:0]
 
+    def decode_only(self, metadata: CpuAttentionMetadata, num_tokens: int) -> NativeDecodes | None:
+        """The step's decodes when every one of its `num_tokens` rows is one (a decode-only
+        step), else None: for a caller that runs the whole layer natively
+        (layers/cpu_fused.py), the K/V write and this backend's decode kernel included."""
+        d = metadata.decodes
+        if d is not None and isinstance(d.rows, slice) and d.rows == slice(0, num_tokens):
+            return d
+        return None
+
     def write_kv(
         self,
         key: torch.Tensor,  # [T, Hkv, D]
@@ -142,7 +151,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if metadata.multi is not None and query.shape[2] not in PREFILL_HEAD_SIZES:
             self._sdpa_instead(metadata)
         d, m = metadata.decodes, metadata.multi
-        if d is not None and isinstance(d.rows, slice) and d.rows == slice(0, query.shape[0]):
+        if self.decode_only(metadata, query.shape[0]) is not None:
             # A decode-only step: the kernel writes every row of the output.
             self.write_kv(key, value, kv_cache, metadata)
             return self.ops.paged_decode_attention(

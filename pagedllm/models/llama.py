@@ -11,6 +11,7 @@ backend) tells each attention layer which request every row belongs to.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from torch import nn
 from pagedllm.attention.layer import Attention
 from pagedllm.config import EngineConfig
 from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.cpu_fused import FusedLayer, layer_plan
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import (
     MergedColumnParallelLinear,
@@ -183,6 +185,9 @@ class LlamaDecoderLayer(nn.Module):
         eps = hf_config.rms_norm_eps
         self.input_layernorm = RMSNorm(hf_config.hidden_size, eps=eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, eps=eps)
+        # The fused CPU ops' arguments (layers/cpu_fused.py): None until the first forward,
+        # then a FusedLayer, or False where they do not apply.
+        self._fused: FusedLayer | bool | None = None
 
     def forward(
         self,
@@ -191,6 +196,16 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,  # [T, hidden] or None for the first layer
         attn_metadata: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        fused = self._fused
+        if fused is None:  # decided at the first forward, when the weights are packed
+            fused = self._fused = layer_plan(self) or False
+        if (
+            fused
+            and hidden_states.dtype == fused.dtype
+            and hidden_states.dim() == 2
+            and not torch.compiler.is_compiling()
+        ):
+            return fused.forward(self, positions, hidden_states, residual, attn_metadata)
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
@@ -257,7 +272,8 @@ class LlamaModel(nn.Module):
         else:  # a later pipeline stage continues from the previous one's activations
             hidden_states = intermediate_tensors["hidden_states"]
             residual = intermediate_tensors["residual"]
-        for layer in self.layers[self.stage.start : self.stage.end]:
+        # islice: a ModuleList slice builds a new ModuleList (a module registration a layer).
+        for layer in itertools.islice(self.layers, self.stage.start, self.stage.end):
             hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
         if not self.stage.is_last:
             return IntermediateTensors(hidden_states=hidden_states, residual=residual)

@@ -31,6 +31,8 @@
 namespace pagedllm {
 
 constexpr int64_t kPanel = 64;      // output channels per panel
+// How far ahead (bytes) the one-row kernels prefetch their panel stream (see gemm_f32.h).
+constexpr int64_t kStreamPrefetch = 2048;
 constexpr int64_t kRowTile = 6;     // rows per micro-kernel call: 6 x 4 accumulators
 constexpr int64_t kRowBlock = 96;   // rows per work item
 constexpr int64_t kKChunk = 384;    // k-pairs per chunk: a 96 KB bf16 panel chunk

@@ -198,7 +198,7 @@ PAGEDLLM_VNNI_TARGET static void gemm_int8_sums_vnni(const Int8GemmArgs& a, int6
 // vpmaddwd multiplies int16 pairs exactly into int32: a k-quad's 16 bytes for 4 outputs
 // (4 x 4 weights, sign-extended) times the row's quad (zero-extended, repeated 4 times) gives
 // each output's two pair sums side by side, folded by hadd. One row (decode): all 64 outputs
-// in one pass, so the panel streams in order. Tiles of 3 rows: 4 passes of 16 outputs (12
+// in one pass, so the panel streams in order (see row64_u8s8_avx2). Tiles of 3 rows: 4 passes of 16 outputs (12
 // accumulators), each weight vector widened once for the 3 rows; a 64-quad chunk of the panel
 // (16 KB) stays in L1 over the passes and the tiles.
 
@@ -244,31 +244,34 @@ PAGEDLLM_AVX2_TARGET static inline void micro_u8s8_avx2(const uint8_t* x, int64_
   }
 }
 
-// One row x all 64 outputs in one pass: pairs of 4-output products folded by hadd as they
-// come (8 accumulators), so the panel streams in order.
+// One row x all 64 outputs in one pass, the panel streamed in order (prefetched ahead). A
+// 32-byte load holds 8 outputs x 4 weights; shifts split it into the sign-extended even bytes
+// (weights k0, k2 of each output) and odd bytes (k1, k3) as int16, and vpmaddwd against
+// (x0, x2) and (x1, x3) pairs leaves each output's whole k-quad sum in its own int32 lane:
+// no widening shuffles, no folding.
 PAGEDLLM_AVX2_TARGET static inline void row64_u8s8_avx2(const uint8_t* x, const int8_t* w,
                                                         int64_t nkq, int32_t* c, bool load_c) {
   __m256i acc[8];
   for (int g = 0; g < 8; ++g) acc[g] = _mm256_setzero_si256();
   for (int64_t kq = 0; kq < nkq; ++kq) {
     const int8_t* wk = w + kq * 4 * kPanel;
-    int32_t quad;
-    std::memcpy(&quad, x + 4 * kq, 4);
-    const __m256i xb = _mm256_cvtepu8_epi16(_mm_set1_epi32(quad));
+    for (int64_t b = 0; b < 4 * kPanel; b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(wk) + kStreamPrefetch + b, _MM_HINT_T0);
+    const uint8_t* xk = x + 4 * kq;
+    const __m256i x02 = _mm256_set1_epi32(xk[0] | (xk[2] << 16));
+    const __m256i x13 = _mm256_set1_epi32(xk[1] | (xk[3] << 16));
 #pragma GCC unroll 8
     for (int g = 0; g < 8; ++g) {
-      const __m256i w0 =
-          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wk + 32 * g)));
-      const __m256i w1 = _mm256_cvtepi8_epi16(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(wk + 32 * g + 16)));
-      acc[g] = _mm256_add_epi32(
-          acc[g], _mm256_hadd_epi32(_mm256_madd_epi16(w0, xb), _mm256_madd_epi16(w1, xb)));
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 32 * g));
+      const __m256i even = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);
+      const __m256i odd = _mm256_srai_epi16(v, 8);
+      acc[g] = _mm256_add_epi32(acc[g], _mm256_add_epi32(_mm256_madd_epi16(even, x02),
+                                                         _mm256_madd_epi16(odd, x13)));
     }
   }
   for (int g = 0; g < 8; ++g) {
-    const __m256i s = _mm256_permute4x64_epi64(acc[g], 0xD8);
     __m256i* cg = reinterpret_cast<__m256i*>(c + 8 * g);
-    _mm256_storeu_si256(cg, load_c ? _mm256_add_epi32(s, _mm256_loadu_si256(cg)) : s);
+    _mm256_storeu_si256(cg, load_c ? _mm256_add_epi32(acc[g], _mm256_loadu_si256(cg)) : acc[g]);
   }
 }
 
