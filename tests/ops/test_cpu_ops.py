@@ -43,8 +43,9 @@ def torch_path(monkeypatch):
 def test_linear_avx2(n, k, dtype):
     """AVX2 panels of fp32 or bf16 weights (fp32 arithmetic): close to F.linear in fp32 on the
     same values for partial panels and K chunks, bias or none, either output dtype; and each
-    row's result bit-identical whatever batch it comes in (one row, 6-row tiles, leftovers,
-    row blocks of 96)."""
+    row's result bit-identical whatever batch it comes in (one row, 6-row tiles, the 2-5-row
+    tiles of a block's last rows, with and without the widened weight chunk, row blocks of
+    96)."""
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g).to(dtype)
     bias = torch.randn(n, generator=g).to(dtype)
@@ -57,7 +58,7 @@ def test_linear_avx2(n, k, dtype):
         torch.testing.assert_close(y32, ref, rtol=1e-5, atol=1e-4)
         y = ops.linear_avx2(x, panels, b, n, False)
         assert y.dtype == dtype and torch.equal(y, y32.to(dtype))  # one rounding, of the sum
-        for m in (1, 5, 6, 7, 97):
+        for m in (1, 2, 3, 4, 5, 6, 7, 14, 15, 16, 17, 97):
             assert torch.equal(ops.linear_avx2(x[m : 2 * m], panels, b, n, False), y[m : 2 * m])
     strided = torch.randn(3, 2 * k, generator=g).to(dtype)[:, :k]
     assert torch.equal(

@@ -9,9 +9,10 @@
 // DRAM. The one-row kernel also prefetches kStreamPrefetch bytes ahead of its loads: with the
 // hardware prefetchers alone a 2-thread decode drew ~20 of the ~31 GB/s a plain sum reads.
 //
-// Two micro-kernels over a K-chunk of a panel: one row x 64 outputs (8 accumulators; small
+// Micro-kernels over a K-chunk of a panel: one row x 64 outputs (8 accumulators; small
 // batches, where the weights stream from memory) and 6 rows x 16 outputs (12 accumulators, 4
-// per panel; large batches, where FMA throughput counts). In both, each output's sum runs
+// per panel; large batches, where FMA throughput counts), with 2-5-row tiles for a block's
+// last rows. In all of them, each output's sum runs
 // over k in order, one FMA at a time, and chunk sums are added in chunk order: a row's result
 // depends on K alone, never on the batch it came in or the kernel that computed it. Work:
 // (row block) x (panel) items over ATen's threads; a 64-input chunk of a panel (16 KB) stays in
@@ -61,29 +62,52 @@ PAGEDLLM_AVX2_TARGET static inline void row64(const float* x, const W* w, int64_
     _mm256_storeu_ps(c + 8 * j, load_c ? _mm256_add_ps(acc[j], _mm256_loadu_ps(c + 8 * j)) : acc[j]);
 }
 
-// c[6][64] (+)= x[6 rows, k0 .. k0 + nk) * panel chunk w, 16 outputs at a time.
-template <class W>
-PAGEDLLM_AVX2_TARGET static inline void rows6(const float* x, int64_t ldx, const W* w,
-                                             int64_t nk, float* c, bool load_c) {
-  for (int j = 0; j < 4; ++j) {
-    __m256 acc[6][2];
-    for (int m = 0; m < 6; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+// c[MT][64] (+)= x[MT rows, k0 .. k0 + nk) * panel chunk w, 8 * NV outputs at a time
+// (MT * NV accumulators). tile<6, 2> is the workhorse; the others take a block's last 2-5 rows
+// (a row at a time, as row64, they ran at a third of its FMA rate: 64 = 10 x 6 + 4 rows cost
+// 15% of the 6-row tiles' speed).
+template <int MT, int NV, class W>
+PAGEDLLM_AVX2_TARGET static inline void tile(const float* x, int64_t ldx, const W* w,
+                                            int64_t nk, float* c, bool load_c) {
+  for (int j = 0; j < 8 / NV; ++j) {
+    __m256 acc[MT][NV];
+    for (int m = 0; m < MT; ++m)
+      for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_setzero_ps();
 #pragma GCC unroll 4
     for (int64_t k = 0; k < nk; ++k) {
-      const W* wk = w + k * kPanel + 16 * j;
-      const __m256 w0 = load8(wk), w1 = load8(wk + 8);
+      const W* wk = w + k * kPanel + 8 * NV * j;
+      __m256 wv[NV];
+      for (int v = 0; v < NV; ++v) wv[v] = load8(wk + 8 * v);
 #pragma GCC unroll 6
-      for (int m = 0; m < 6; ++m) {
+      for (int m = 0; m < MT; ++m) {
         const __m256 xb = _mm256_broadcast_ss(x + m * ldx + k);
-        acc[m][0] = _mm256_fmadd_ps(w0, xb, acc[m][0]);
-        acc[m][1] = _mm256_fmadd_ps(w1, xb, acc[m][1]);
+        for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_fmadd_ps(wv[v], xb, acc[m][v]);
       }
     }
-    for (int m = 0; m < 6; ++m)
-      for (int h = 0; h < 2; ++h) {
-        float* ch = c + m * kPanel + 16 * j + 8 * h;
-        _mm256_storeu_ps(ch, load_c ? _mm256_add_ps(acc[m][h], _mm256_loadu_ps(ch)) : acc[m][h]);
+    for (int m = 0; m < MT; ++m)
+      for (int v = 0; v < NV; ++v) {
+        float* cv = c + m * kPanel + 8 * NV * j + 8 * v;
+        _mm256_storeu_ps(cv, load_c ? _mm256_add_ps(acc[m][v], _mm256_loadu_ps(cv)) : acc[m][v]);
       }
+  }
+}
+
+// Rows [m, m1) of a chunk: 6-row tiles, then the 1-5 rows left in one smaller tile.
+template <class W>
+PAGEDLLM_AVX2_TARGET static inline void rows_chunk(const float* x, int64_t ldx, const W* w,
+                                                  int64_t nk, float* c, int64_t rows,
+                                                  bool load_c) {
+  int64_t m = 0;
+  for (; m + 6 <= rows; m += 6) tile<6, 2>(x + m * ldx, ldx, w, nk, c + m * kPanel, load_c);
+  x += m * ldx;
+  c += m * kPanel;
+  switch (rows - m) {
+    case 1: row64(x, w, nk, c, load_c); break;
+    case 2: tile<2, 4>(x, ldx, w, nk, c, load_c); break;
+    case 3: tile<3, 4>(x, ldx, w, nk, c, load_c); break;
+    case 4: tile<4, 2>(x, ldx, w, nk, c, load_c); break;
+    case 5: tile<5, 2>(x, ldx, w, nk, c, load_c); break;
+    default: break;
   }
 }
 
@@ -99,18 +123,14 @@ PAGEDLLM_AVX2_TARGET static void gemm_f32_item(const GemmF32Args& a, int64_t m0,
   alignas(64) float wide[widen ? kF32KChunk * kPanel : 1];
   for (int64_t k0 = 0; k0 < a.K; k0 += kF32KChunk) {
     const int64_t nk = std::min(kF32KChunk, a.K - k0);
-    int64_t m = m0;
+    const float* x = a.x + m0 * a.ldx + k0;
     if (widen && m1 - m0 >= 12) {
       const W* src = panel + k0 * kPanel;
       for (int64_t i = 0; i < nk * kPanel; i += 8) _mm256_store_ps(wide + i, load8(src + i));
-      for (; m + 6 <= m1; m += 6)
-        rows6(a.x + m * a.ldx + k0, a.ldx, static_cast<const float*>(wide), nk,
-              c + (m - m0) * kPanel, k0 > 0);
+      rows_chunk(x, a.ldx, static_cast<const float*>(wide), nk, c, m1 - m0, k0 > 0);
+    } else {
+      rows_chunk(x, a.ldx, panel + k0 * kPanel, nk, c, m1 - m0, k0 > 0);
     }
-    for (; m + 6 <= m1; m += 6)
-      rows6(a.x + m * a.ldx + k0, a.ldx, panel + k0 * kPanel, nk, c + (m - m0) * kPanel, k0 > 0);
-    for (; m < m1; ++m)
-      row64(a.x + m * a.ldx + k0, panel + k0 * kPanel, nk, c + (m - m0) * kPanel, k0 > 0);
   }
   const int64_t n0 = p * kPanel, valid = std::min(a.N - n0, kPanel);
   const auto* bias = static_cast<const typename E::T*>(a.bias);
