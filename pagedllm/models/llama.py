@@ -196,16 +196,12 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,  # [T, hidden] or None for the first layer
         attn_metadata: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        fused = self._fused
-        if fused is None:  # decided at the first forward, when the weights are packed
-            fused = self._fused = layer_plan(self) or False
-        if (
-            fused
-            and hidden_states.dtype == fused.dtype
-            and hidden_states.dim() == 2
-            and not torch.compiler.is_compiling()
-        ):
-            return fused.forward(self, positions, hidden_states, residual, attn_metadata)
+        if not torch.compiler.is_compiling():  # (Inductor fuses the traced modules instead)
+            fused = self._fused
+            if fused is None:  # decided at the first forward, when the weights are packed
+                fused = self._fused = layer_plan(self) or False
+            if fused and hidden_states.dtype == fused.dtype and hidden_states.dim() == 2:
+                return fused.forward(self, positions, hidden_states, residual, attn_metadata)
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)

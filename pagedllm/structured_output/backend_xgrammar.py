@@ -151,9 +151,13 @@ def build_tokenizer_info(
     special -= set(stops or [])
     if not special:
         return info
+    # Stop tokens are blanked too: xgrammar 0.2.9 (not 0.2.8) also matches a stop token's text as
+    # ordinary bytes ("<|end|>" inside a regex over "<|>a-z"), which would let a grammar allow
+    # it mid-output; as stop_token_ids they stay allowed exactly where the grammar may end.
+    hidden = special | set(stops or [])
     encoded = [""] * vocab_size
     for token, i in tokenizer.get_vocab().items():
-        if i < vocab_size and i not in special:
+        if i < vocab_size and i not in hidden:
             encoded[i] = token
     return xgr.TokenizerInfo(
         encoded,
