@@ -15,11 +15,11 @@ three kinds alternate per shape. Prints time per GEMM, GB/s of weights and GFLOP
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
+from pagedllm.benchmarks.timing import call_seconds
 from pagedllm.layers.cpu_gemm import to_panels
 from pagedllm.layers.quantization import quantize_rows
 from pagedllm.ops import cpu_ops
@@ -35,13 +35,7 @@ ROWS = (1, 4, 16, 64, 512)
 
 
 def median_seconds(fn, passes: int = 15) -> float:
-    fn()
-    times = []
-    for _ in range(passes):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return sorted(times)[passes // 2]
+    return sorted(call_seconds(fn, passes))[passes // 2]
 
 
 def shapes():

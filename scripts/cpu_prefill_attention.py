@@ -9,22 +9,16 @@ minimum of 30 calls each.
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
+from pagedllm.benchmarks.timing import call_seconds
 from pagedllm.ops import cpu_ops
 
 
 def best_us(fn, passes: int = 30) -> float:
-    fn()
-    times = []
-    for _ in range(passes):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times) * 1e6
+    return min(call_seconds(fn, passes)) * 1e6
 
 
 def time_one(ops, n: int, heads: int = 9, kv_heads: int = 3, d: int = 64) -> tuple[float, float]:

@@ -129,16 +129,14 @@ def workload(name: str, vocab: int, seed: int) -> list[tuple[list[list[int]], li
 
 
 def run_workload(worker: Worker, name: str, vocab: int, seed: int) -> dict:
-    results = [
-        worker.ask({"op": "generate", "prompts": p, "max_tokens": m})
-        for p, m in workload(name, vocab, seed)
-    ]
+    calls = workload(name, vocab, seed)
+    results = [worker.ask({"op": "generate", "prompts": p, "max_tokens": m}) for p, m in calls]
     if name == "decode1":
         tpot = (results[0]["seconds"] - results[1]["seconds"]) / DECODE_TOKENS
         return {"ms_per_token": tpot * 1e3, "tokens_per_s": 1 / tpot}
     seconds = sum(r["seconds"] for r in results)
     if name == "prefill":
-        tokens = sum(len(p) for prompts, _ in workload(name, vocab, seed) for p in prompts)
+        tokens = sum(len(p) for prompts, _ in calls for p in prompts)
     else:
         tokens = sum(r["output_tokens"] for r in results)
     return {"seconds": seconds, "tokens_per_s": tokens / seconds}

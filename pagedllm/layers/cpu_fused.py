@@ -1,5 +1,7 @@
-"""A pre-norm decoder layer in two native calls on the CPU (`torch.ops.pagedllm.attention_in`
-and `attention_out_mlp`, `ops/csrc/ops.cpp`), around its attention, which stays the backend's.
+"""A pre-norm decoder layer in native calls on the CPU (`ops/csrc/ops.cpp`): two around its
+attention, which stays the backend's (`attention_in`, `attention_out_mlp`), or, on a decode-only
+step of `CpuAttentionBackend` without a KV connector, one for the whole layer
+(`decoder_layer_decode`, the backend's K/V write and decode kernel included).
 
 `attention_in`: input RMSNorm (with the residual add), the QKV projection and RoPE;
 `attention_out_mlp`: the output projection, post-attention RMSNorm (with the residual add),
@@ -51,8 +53,6 @@ class FusedLayer:
     dtype: torch.dtype  # the activations' (the norms' weights')
     head: tuple  # attention_in's arguments after (x, residual)
     tail: tuple  # attention_out_mlp's arguments after (attn, residual)
-    q_size: int
-    kv_size: int
 
     def forward(
         self,
@@ -89,7 +89,8 @@ class FusedLayer:
         qkv = ops.attention_in.default(hidden, residual, *self.head, *rope_args)
         if residual is None:
             residual = hidden
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q_size, kv_size = layer.self_attn.q_size, layer.self_attn.kv_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         out = attn(q, k, v.contiguous(), attn_metadata)
         return ops.attention_out_mlp.default(out, residual, *self.tail), residual
 
@@ -97,8 +98,7 @@ class FusedLayer:
 def layer_plan(layer: Any) -> FusedLayer | None:
     """The fused ops' arguments for a `LlamaDecoderLayer`, or None where they do not apply
     (see the module docstring)."""
-    ops = cpu_ops()
-    if ops is None or not hasattr(ops, "attention_in"):
+    if cpu_ops() is None:
         return None
     attn, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
@@ -127,6 +127,4 @@ def layer_plan(layer: Any) -> FusedLayer | None:
         dtype=dtype,
         head=(n_in.weight, n_in.eps, *qkv, attn.q_size, attn.kv_size),
         tail=(*o, n_post.weight, n_post.eps, *gate_up, *down),
-        q_size=attn.q_size,
-        kv_size=attn.kv_size,
     )

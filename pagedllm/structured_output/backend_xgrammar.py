@@ -144,17 +144,15 @@ def build_tokenizer_info(
     )
     if not isinstance(tokenizer, PreTrainedTokenizerFast):
         return info  # xgrammar decodes other vocabularies itself; keep its view
-    special = {
-        i for i, tok in getattr(tokenizer, "added_tokens_decoder", {}).items() if tok.special
-    }
-    special.update(getattr(tokenizer, "all_special_ids", []))
-    special -= set(stops or [])
-    if not special:
+    # Special tokens are blanked, stop tokens among them: xgrammar 0.2.9 (not 0.2.8) also
+    # matches a stop token's text as ordinary bytes ("<|end|>" inside a regex over "<|>a-z"),
+    # which would let a grammar allow it mid-output; as stop_token_ids they stay allowed
+    # exactly where the grammar may end.
+    hidden = {i for i, tok in getattr(tokenizer, "added_tokens_decoder", {}).items() if tok.special}
+    hidden.update(getattr(tokenizer, "all_special_ids", []))
+    hidden.update(stops or [])
+    if not hidden:
         return info
-    # Stop tokens are blanked too: xgrammar 0.2.9 (not 0.2.8) also matches a stop token's text as
-    # ordinary bytes ("<|end|>" inside a regex over "<|>a-z"), which would let a grammar allow
-    # it mid-output; as stop_token_ids they stay allowed exactly where the grammar may end.
-    hidden = special | set(stops or [])
     encoded = [""] * vocab_size
     for token, i in tokenizer.get_vocab().items():
         if i < vocab_size and i not in hidden:
