@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "common.h"
 
@@ -202,57 +203,161 @@ PAGEDLLM_AVX2_TARGET static inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-PAGEDLLM_AVX2_TARGET static void softmax_rows_avx2(float* scores, int64_t G, int64_t L) {
+PAGEDLLM_AVX2_TARGET static inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// exp_approx on 8 lanes (the same reduction and polynomial, FMAs for the polynomial steps).
+PAGEDLLM_AVX2_TARGET static inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 big = _mm256_set1_ps(12582912.f);
+  const __m256 n = _mm256_sub_ps(
+      _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), big), big);
+  const __m256 r = _mm256_add_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))),
+                                 _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i bits =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// Each of the G rows of scores [G, L] in place -> exp(score - the row's max); inv[g] = 1 / the
+// row's sum (the caller scales the outputs instead of the probabilities).
+PAGEDLLM_AVX2_TARGET static void softmax_rows_avx2(float* scores, int64_t G, int64_t L,
+                                                   float* inv) {
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores + g * L;
-    float m = -INFINITY;
-    for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < L; ++t) sum += (sg[t] = exp_approx(sg[t] - m));
-    const float inv = 1.f / sum;
-#pragma omp simd
-    for (int64_t t = 0; t < L; ++t) sg[t] *= inv;
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 8 <= L; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sg + t));
+    float m = hmax8(mv);
+    for (int64_t u = t; u < L; ++u) m = std::max(m, sg[u]);
+    const __m256 mb = _mm256_set1_ps(m);
+    __m256 sv = _mm256_setzero_ps();
+    for (t = 0; t + 8 <= L; t += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), mb));
+      _mm256_storeu_ps(sg + t, e);
+      sv = _mm256_add_ps(sv, e);
+    }
+    float sum = hsum8(sv);
+    for (; t < L; ++t) sum += (sg[t] = exp_approx(sg[t] - m));
+    inv[g] = 1.f / sum;
   }
 }
 
-// Head size D = 8 * C (any multiple of 8), G query heads a KV head: one query head at a time
-// with its scaled query (up to 8 vectors) and accumulators in registers; the request's K/V
-// rows (L * D elements) are read once from memory and G - 1 more times from cache.
+// The nk K rows (V rows when value) of request b's cache block holding token j0, KV head kvh,
+// as fp32 rows rs floats apart: widened into rows [nk][D], or (fp32 caches) in place. Also
+// prefetches the next block's rows.
+template <class E, int C>
+PAGEDLLM_AVX2_TARGET static inline const float* decode_block_rows(
+    const DecodeAttnArgs<E>& a, int64_t b, int64_t kvh, int64_t j0, int64_t L, bool value,
+    float* rows, int64_t& rs) {
+  using T = typename E::T;
+  constexpr int64_t D = 8 * C;
+  const int64_t bs = a.block_size, stride = a.num_kv_heads * D;
+  const int32_t* table = a.block_table + b * a.bt_stride;
+  const T* base = a.kv + (value ? a.num_blocks * bs * stride : 0) + kvh * D;
+  const T* src = base + table[j0 / bs] * bs * stride;
+  if (j0 + bs < L) {
+    const char* next = reinterpret_cast<const char*>(base + table[j0 / bs + 1] * bs * stride);
+    const int64_t n = std::min(bs, L - j0 - bs);
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t off = 0; off < D * int64_t(sizeof(T)); off += 64)
+        _mm_prefetch(next + t * stride * int64_t(sizeof(T)) + off, _MM_HINT_T0);
+  }
+  const int64_t nk = std::min(bs, L - j0);
+  if constexpr (std::is_same_v<T, float>) {
+    rs = stride;
+    return src;
+  } else {
+    for (int64_t t = 0; t < nk; ++t)
+      for (int c = 0; c < C; ++c)
+        _mm256_storeu_ps(rows + t * D + 8 * c, load8(src + t * stride + 8 * c));
+    rs = D;
+    return rows;
+  }
+}
+
+// Head size D = 8 * C (any multiple of 8), G query heads a KV head. The context goes by one
+// cache block at a time (one block-table lookup per block, the next block's rows prefetched):
+// a block's K rows are widened once into fp32 scratch (fp32 caches are read in place) and
+// every query head takes its scores from there, four keys per pass (four accumulators, one
+// 4-way horizontal add); after the softmax, the V rows go the same way, each head adding
+// p * v into its output. Every K and V row is read from memory once, whatever G.
 template <class E, int C>
 PAGEDLLM_AVX2_TARGET static void decode_item_avx2(const DecodeAttnArgs<E>& a, int64_t b,
-                                                  int64_t kvh, float* scores) {
+                                                  int64_t kvh, float* scratch) {
+  using T = typename E::T;
   constexpr int64_t D = 8 * C;
-  const int64_t L = a.seq_lens[b], G = a.num_heads / a.num_kv_heads;
+  const int64_t L = a.seq_lens[b], G = a.num_heads / a.num_kv_heads, bs = a.block_size;
+  float* scores = scratch;          // [G][L]
+  float* acc = scores + G * L;      // [G][D] outputs, unnormalized until the end
+  float* rows = acc + G * D;        // [bs][D] one block's widened K or V rows; then [G] 1 / sums
   const __m256 scale = _mm256_set1_ps(a.scale);
-  for (int64_t g = 0; g < G; ++g) {
-    const typename E::T* q = a.q + b * a.q_stride + (kvh * G + g) * D;
-    __m256 qr[C];
-    for (int c = 0; c < C; ++c) qr[c] = _mm256_mul_ps(load8(q + 8 * c), scale);
-    float* sg = scores + g * L;
-    for (int64_t t = 0; t < L; ++t) {
-      const typename E::T* k = a.row(b, kvh, t, false);
-      __m256 s0 = _mm256_mul_ps(load8(k), qr[0]);
-      __m256 s1 = _mm256_setzero_ps();
-      for (int c = 1; c < C; ++c) {
-        if (c % 2) s1 = _mm256_fmadd_ps(load8(k + 8 * c), qr[c], s1);
-        else s0 = _mm256_fmadd_ps(load8(k + 8 * c), qr[c], s0);
+  for (int64_t j0 = 0; j0 < L; j0 += bs) {
+    const int64_t nk = std::min(bs, L - j0);
+    int64_t rs;
+    const float* k = decode_block_rows<E, C>(a, b, kvh, j0, L, false, rows, rs);
+    for (int64_t g = 0; g < G; ++g) {
+      const T* q = a.q + b * a.q_stride + (kvh * G + g) * D;
+      __m256 qr[C];
+      for (int c = 0; c < C; ++c) qr[c] = _mm256_mul_ps(load8(q + 8 * c), scale);
+      float* sg = scores + g * L + j0;
+      int64_t t = 0;
+      for (; t + 4 <= nk; t += 4) {
+        const float* k0 = k + t * rs;
+        __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(k0), qr[0]);
+        __m256 s1 = _mm256_mul_ps(_mm256_loadu_ps(k0 + rs), qr[0]);
+        __m256 s2 = _mm256_mul_ps(_mm256_loadu_ps(k0 + 2 * rs), qr[0]);
+        __m256 s3 = _mm256_mul_ps(_mm256_loadu_ps(k0 + 3 * rs), qr[0]);
+        for (int c = 1; c < C; ++c) {
+          s0 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + 8 * c), qr[c], s0);
+          s1 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + rs + 8 * c), qr[c], s1);
+          s2 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + 2 * rs + 8 * c), qr[c], s2);
+          s3 = _mm256_fmadd_ps(_mm256_loadu_ps(k0 + 3 * rs + 8 * c), qr[c], s3);
+        }
+        // [s0 s1 s2 s3] lane sums: pairwise adds within 128-bit halves, then the halves.
+        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
+        _mm_storeu_ps(sg + t, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
       }
-      sg[t] = hsum8(_mm256_add_ps(s0, s1));
+      for (; t < nk; ++t) {
+        __m256 s = _mm256_mul_ps(_mm256_loadu_ps(k + t * rs), qr[0]);
+        for (int c = 1; c < C; ++c) s = _mm256_fmadd_ps(_mm256_loadu_ps(k + t * rs + 8 * c), qr[c], s);
+        sg[t] = hsum8(s);
+      }
     }
   }
-  softmax_rows_avx2(scores, G, L);
-  for (int64_t g = 0; g < G; ++g) {
-    const float* pg = scores + g * L;
-    typename E::T* out = a.out + (b * a.num_heads + kvh * G + g) * D;
-    __m256 acc[C];
-    for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
-    for (int64_t t = 0; t < L; ++t) {
-      const typename E::T* v = a.row(b, kvh, t, true);
-      const __m256 w = _mm256_set1_ps(pg[t]);
-      for (int c = 0; c < C; ++c) acc[c] = _mm256_fmadd_ps(w, load8(v + 8 * c), acc[c]);
+  float* inv = rows + bs * D;  // [G]
+  softmax_rows_avx2(scores, G, L, inv);
+  for (int64_t i = 0; i < G * D; i += 8) _mm256_storeu_ps(acc + i, _mm256_setzero_ps());
+  for (int64_t j0 = 0; j0 < L; j0 += bs) {
+    const int64_t nk = std::min(bs, L - j0);
+    int64_t rs;
+    const float* v = decode_block_rows<E, C>(a, b, kvh, j0, L, true, rows, rs);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* pg = scores + g * L + j0;
+      __m256 o[C];
+      for (int c = 0; c < C; ++c) o[c] = _mm256_loadu_ps(acc + g * D + 8 * c);
+      for (int64_t t = 0; t < nk; ++t) {
+        const __m256 w = _mm256_broadcast_ss(pg + t);
+        for (int c = 0; c < C; ++c) o[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + t * rs + 8 * c), o[c]);
+      }
+      for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + g * D + 8 * c, o[c]);
     }
-    for (int c = 0; c < C; ++c) store8(out + 8 * c, acc[c]);
+  }
+  T* out = a.out + (b * a.num_heads + kvh * G) * D;
+  for (int64_t g = 0; g < G; ++g) {
+    const __m256 s = _mm256_set1_ps(inv[g]);
+    for (int c = 0; c < C; ++c)
+      store8(out + g * D + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(acc + g * D + 8 * c), s));
   }
 }
 
@@ -271,7 +376,8 @@ static bool decode_item_avx2_dispatch(const DecodeAttnArgs<E>& a, int64_t b, int
 
 // ---- dispatch --------------------------------------------------------------------------
 
-// One (request b, KV head kvh) item. scratch: >= G * (seq_len + 2 * D) + D floats.
+// One (request b, KV head kvh) item. scratch: >= G * (seq_len + 2 * D + 1) + (block_size + 1) * D
+// floats.
 template <class E>
 static void decode_item(const DecodeAttnArgs<E>& a, int64_t b, int64_t kvh, float* scratch) {
   static const bool avx512 = __builtin_cpu_supports("avx512f");
@@ -313,32 +419,6 @@ static void decode_item(const DecodeAttnArgs<E>& a, int64_t b, int64_t kvh, floa
 
 constexpr int64_t kPrefillRows = 16;
 constexpr int64_t kPrefillKeys = 16;
-
-PAGEDLLM_AVX2_TARGET static inline float hmax8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-// exp_approx on 8 lanes (the same reduction and polynomial, FMAs for the polynomial steps).
-PAGEDLLM_AVX2_TARGET static inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  const __m256 big = _mm256_set1_ps(12582912.f);
-  const __m256 n = _mm256_sub_ps(
-      _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), big), big);
-  const __m256 r = _mm256_add_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))),
-                                 _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
-  const __m256i bits =
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
 
 // r[0..8) (8 rows of 8) transposed in place: r[i] lane j <- r[j] lane i.
 PAGEDLLM_AVX2_TARGET static inline void transpose8(__m256 r[8]) {
