@@ -4,19 +4,22 @@ Three layouts, chosen per weight by `pack_linear_weight_` (called by the layers'
 `process_weights_after_loading`):
 
 - **Panels** (`weight_panels`, pagedllm's own C++ kernels, `pagedllm/ops/csrc/gemm*.h`): bf16
-  weights on CPUs with AVX512-BF16 and without AMX (AMD Zen 4/5, Intel Cooper Lake). One
-  layout serves every batch size: it streams the weights at memory bandwidth for decode-sized
-  batches (oneDNN reaches ~40-60% of it at M = 1) and matches oneDNN's throughput for large
-  ones. int8 weights (`weight_scale` set, `layers/quantization.py`) go to the W8A8 kernel
+  weights on CPUs with AVX512-BF16 (AMD Zen 4/5, Intel Cooper Lake, and Intel's AMX CPUs,
+  Sapphire Rapids on, where products of two rows or more run on AMX tiles, `gemm_amx.h`).
+  One layout serves every batch size: it streams the weights at memory bandwidth for
+  decode-sized batches (oneDNN reaches ~40-60% of it at M = 1) and matches or beats oneDNN's
+  throughput for large ones (on AMX: 1.1-3x oneDNN's AMX kernels on SmolLM2's projections,
+  BENCHMARKS.md). int8 weights (`weight_scale` set, `layers/quantization.py`) go to the W8A8 kernel
   (`weight_colsum` beside them), with AVX512-VNNI or, without it, AVX2: in a bf16 or an fp32
   model. fp32 weights on AVX2 + FMA CPUs without AVX-512, and bf16 weights on AVX2 + FMA CPUs
   where oneDNN has no bf16 path (`gemm_f32.h`, fp32 arithmetic; bf16 weights are widened as
   they are loaded, so they stream half the bytes): there oneDNN streams fp32 weights at
   ~35-65% of the memory bandwidth at decode sizes and emulates bf16 GEMMs 2-6x slower than
   fp32; with AVX-512, oneDNN's wider FMAs are kept. These panels compute a row's result in an
-  order fixed by K (batch-invariant, like the AVX512-BF16 ones).
+  order fixed by K (batch-invariant, like the AVX512-BF16 ones without AMX; on AMX a row's
+  sums take another order in a batch of two or more than alone, the last bits of fp32).
 - **oneDNN prepacked** (`weight_packed`): bf16 weights on other x86 CPUs with oneDNN's bf16
-  path, AMX ones included (oneDNN picks AMX for large batches by itself), and fp32 weights
+  path (AVX-512 without its BF16 extension, AVX-NE-CONVERT), and fp32 weights
   on the other CPUs with oneDNN (as vLLM's CPU backend runs them). `F.linear` on a row-major
   bf16 weight would reorder it on every call; reordering once is 1.5-2.5x faster at decode
   sizes and bit-identical. For fp32, `F.linear` takes MKL's GEMM: oneDNN on the packed weight
@@ -72,8 +75,8 @@ def _onednn_packing() -> bool:
 
 @functools.cache
 def _panel_kernel_on_this_cpu(dtype: torch.dtype) -> str | None:
-    """Which panel GEMM runs weights of this dtype on this CPU: "bf16" (AVX512-BF16 without
-    AMX; with AMX oneDNN is better), "avx2" (AVX2 + FMA: fp32 without AVX-512, where oneDNN
+    """Which panel GEMM runs weights of this dtype on this CPU: "bf16" (AVX512-BF16, with AMX
+    tiles where the CPU has them), "avx2" (AVX2 + FMA: fp32 without AVX-512, where oneDNN
     has wider vectors; bf16 where oneDNN has no bf16 path, `cpu_has_fast_bf16`, and would
     emulate it), "int8" (AVX512-VNNI, else AVX2), or None (see the module docstring)."""
     ops = cpu_ops()
@@ -86,7 +89,7 @@ def _panel_kernel_on_this_cpu(dtype: torch.dtype) -> str | None:
         return "avx2" if avx2 and not torch.cpu._is_avx512_supported() else None
     if dtype != torch.bfloat16:
         return None
-    if ops.cpu_has_avx512_bf16() and not torch.cpu._is_amx_tile_supported():
+    if ops.cpu_has_avx512_bf16():
         return "bf16"
     return "avx2" if avx2 and not cpu_has_fast_bf16() else None
 

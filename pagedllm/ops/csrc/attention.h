@@ -4,8 +4,9 @@
 // work item is one (request, KV head): its G = H / Hkv query heads share every K/V row read.
 // Three passes over the request's context: scores q.k for each token (fp32), softmax, then
 // the weighted sum of V rows. The scores of one item take G * seq_len floats of scratch.
-// Kernels: AVX-512 (head sizes 64 / 128, queries in registers), AVX2 + FMA (any head size
-// that is a multiple of 8), and a portable one for everything else.
+// Kernels: AVX2 + FMA (any head size that is a multiple of 8; AVX-512 CPUs take it too: a
+// token-by-token AVX-512 kernel with the queries in registers was 1.4-1.7x slower there than
+// this one's block-by-block walk, BENCHMARKS.md), and a portable one for everything else.
 #pragma once
 
 #include <immintrin.h>
@@ -98,101 +99,6 @@ static inline __attribute__((always_inline)) void decode_values_t(
 PAGEDLLM_ATTN_PORTABLE(Bf16)
 PAGEDLLM_ATTN_PORTABLE(Fp32)
 #undef PAGEDLLM_ATTN_PORTABLE
-
-// ---- AVX-512 ---------------------------------------------------------------------------
-
-#define PAGEDLLM_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
-
-// 16 elements at p -> 16 fp32.
-PAGEDLLM_AVX512_TARGET static inline __m512 load16(const uint16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-PAGEDLLM_AVX512_TARGET static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-
-// 16 fp32 -> 16 elements at p; to bf16 rounded to nearest even (AVX-512F only; the
-// attention outputs are finite).
-PAGEDLLM_AVX512_TARGET static inline void store16(uint16_t* p, __m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
-}
-PAGEDLLM_AVX512_TARGET static inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-
-// Softmax of each of the G rows of scores [G, L] in place.
-PAGEDLLM_AVX512_TARGET static void softmax_rows_avx512(float* scores, int64_t G, int64_t L) {
-  for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores + g * L;
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    int64_t t = 0;
-    for (; t + 16 <= L; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + t));
-    float m = _mm512_reduce_max_ps(mx);
-    for (; t < L; ++t) m = std::max(m, sg[t]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (t = 0; t < L; ++t) sum += (sg[t] = exp_approx(sg[t] - m));
-    const float inv = 1.f / sum;
-    for (t = 0; t < L; ++t) sg[t] *= inv;
-  }
-}
-
-// The three passes with AVX-512 for head size 16 C and G query heads per KV head, with the
-// G scaled queries and the G output accumulators held in registers (C * G <= 16): each K or
-// V row is read and widened once per token and used by all G heads.
-template <class E, int C, int G>
-PAGEDLLM_AVX512_TARGET static void decode_item_avx512(const DecodeAttnArgs<E>& a, int64_t b,
-                                                     int64_t kvh, float* scores) {
-  constexpr int64_t D = 16 * C;
-  const int64_t L = a.seq_lens[b];
-  const typename E::T* q = a.q + b * a.q_stride + kvh * G * D;
-  __m512 qr[G][C];
-  const __m512 scale = _mm512_set1_ps(a.scale);
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) qr[g][c] = _mm512_mul_ps(load16(q + g * D + 16 * c), scale);
-  for (int64_t t = 0; t < L; ++t) {
-    const typename E::T* k = a.row(b, kvh, t, false);
-    __m512 kr[C];
-    for (int c = 0; c < C; ++c) kr[c] = load16(k + 16 * c);
-    for (int g = 0; g < G; ++g) {
-      __m512 s = _mm512_mul_ps(kr[0], qr[g][0]);
-      for (int c = 1; c < C; ++c) s = _mm512_fmadd_ps(kr[c], qr[g][c], s);
-      scores[g * L + t] = _mm512_reduce_add_ps(s);
-    }
-  }
-  softmax_rows_avx512(scores, G, L);
-  __m512 acc[G][C];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < L; ++t) {
-    const typename E::T* v = a.row(b, kvh, t, true);
-    __m512 vr[C];
-    for (int c = 0; c < C; ++c) vr[c] = load16(v + 16 * c);
-    for (int g = 0; g < G; ++g) {
-      const __m512 w = _mm512_set1_ps(scores[g * L + t]);
-      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(w, vr[c], acc[g][c]);
-    }
-  }
-  typename E::T* out = a.out + (b * a.num_heads + kvh * G) * D;
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) store16(out + g * D + 16 * c, acc[g][c]);
-}
-
-// Head sizes 64 and 128 with up to 4 / 2 query heads per KV head take the register kernel.
-template <class E>
-static bool decode_item_avx512_dispatch(const DecodeAttnArgs<E>& a, int64_t b, int64_t kvh,
-                                        float* scores) {
-  const int64_t D = a.head_size, G = a.num_heads / a.num_kv_heads;
-  switch (D * 16 + G) {
-    case 64 * 16 + 1: decode_item_avx512<E, 4, 1>(a, b, kvh, scores); return true;
-    case 64 * 16 + 2: decode_item_avx512<E, 4, 2>(a, b, kvh, scores); return true;
-    case 64 * 16 + 3: decode_item_avx512<E, 4, 3>(a, b, kvh, scores); return true;
-    case 64 * 16 + 4: decode_item_avx512<E, 4, 4>(a, b, kvh, scores); return true;
-    case 128 * 16 + 1: decode_item_avx512<E, 8, 1>(a, b, kvh, scores); return true;
-    case 128 * 16 + 2: decode_item_avx512<E, 8, 2>(a, b, kvh, scores); return true;
-    default: return false;
-  }
-}
 
 // ---- AVX2 ------------------------------------------------------------------------------
 
@@ -380,9 +286,7 @@ static bool decode_item_avx2_dispatch(const DecodeAttnArgs<E>& a, int64_t b, int
 // floats.
 template <class E>
 static void decode_item(const DecodeAttnArgs<E>& a, int64_t b, int64_t kvh, float* scratch) {
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
   static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (avx512 && decode_item_avx512_dispatch(a, b, kvh, scratch)) return;
   if (avx2 && decode_item_avx2_dispatch(a, b, kvh, scratch)) return;
   const int64_t D = a.head_size, G = a.num_heads / a.num_kv_heads;
   const int64_t L = a.seq_lens[b];

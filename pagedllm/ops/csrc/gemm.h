@@ -98,19 +98,9 @@ PAGEDLLM_BF16_TARGET static inline void micro_dispatch(
   }
 }
 
-// Rows [m0, m1) x panel p: K-chunks, 6-row tiles, then the epilogue (bias, store).
-PAGEDLLM_BF16_TARGET static void gemm_item(
-    const GemmArgs& a, int64_t m0, int64_t m1, int64_t p, float* c) {
-  const int64_t kp_total = a.K / 2;
-  for (int64_t kp0 = 0; kp0 < kp_total; kp0 += kKChunk) {
-    const int64_t nkp = std::min(kKChunk, kp_total - kp0);
-    const uint16_t* panel = a.w + (p * kp_total + kp0) * 2 * kPanel;
-    for (int64_t m = m0; m < m1; m += kRowTile) {
-      const int64_t rows = std::min(kRowTile, m1 - m);
-      micro_dispatch(rows, a.x + m * a.ldx + 2 * kp0, a.ldx, panel, nkp,
-                     c + (m - m0) * kPanel, kp0 > 0);
-    }
-  }
+// Rows [m0, m1) of panel p's outputs from their fp32 sums c: bias added, stored.
+PAGEDLLM_BF16_TARGET static void gemm_epilogue(
+    const GemmArgs& a, int64_t m0, int64_t m1, int64_t p, const float* c) {
   const int64_t n0 = p * kPanel, n1 = std::min(a.N, n0 + kPanel);
   if (n1 - n0 == kPanel) {  // full panel: 16 lanes at a time
     for (int64_t m = m0; m < m1; ++m) {
@@ -142,6 +132,22 @@ PAGEDLLM_BF16_TARGET static void gemm_item(
         static_cast<uint16_t*>(a.out)[m * a.ldo + n] = fp32_to_bf16(v);
     }
   }
+}
+
+// Rows [m0, m1) x panel p: K-chunks, 6-row tiles, then the epilogue (bias, store).
+PAGEDLLM_BF16_TARGET static void gemm_item(
+    const GemmArgs& a, int64_t m0, int64_t m1, int64_t p, float* c) {
+  const int64_t kp_total = a.K / 2;
+  for (int64_t kp0 = 0; kp0 < kp_total; kp0 += kKChunk) {
+    const int64_t nkp = std::min(kKChunk, kp_total - kp0);
+    const uint16_t* panel = a.w + (p * kp_total + kp0) * 2 * kPanel;
+    for (int64_t m = m0; m < m1; m += kRowTile) {
+      const int64_t rows = std::min(kRowTile, m1 - m);
+      micro_dispatch(rows, a.x + m * a.ldx + 2 * kp0, a.ldx, panel, nkp,
+                     c + (m - m0) * kPanel, kp0 > 0);
+    }
+  }
+  gemm_epilogue(a, m0, m1, p, c);
 }
 
 }  // namespace pagedllm

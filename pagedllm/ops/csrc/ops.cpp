@@ -15,6 +15,7 @@
 #include "attention.h"
 #include "elementwise.h"
 #include "gemm.h"
+#include "gemm_amx.h"
 #include "gemm_f32.h"
 #include "gemm_int8.h"
 
@@ -41,10 +42,11 @@ void check_rows(const at::Tensor& t, const char* name) {
 // equal shares fixed up front: on a shared machine a thread that loses its core for a while
 // then delays nobody (a static split makes the others wait for its share at the end). Each
 // item writes its own outputs, so which thread runs it changes no result.
-template <class Acc, class Item>
-void for_gemm_items(int64_t M, int64_t N, Item&& item) {
+// done() runs on each thread after its last item.
+template <class Acc, class Item, class Done = void (*)()>
+void for_gemm_items(int64_t M, int64_t N, Item&& item, Done&& done = [] {}, int64_t row_block = kRowBlock) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
-  const int64_t block = std::min(kRowBlock, M);
+  const int64_t block = std::min(row_block, M);
   const int64_t total = (M + block - 1) / block * panels;
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), total);
   const int64_t run = std::max<int64_t>(1, total / (threads * 16));
@@ -56,6 +58,7 @@ void for_gemm_items(int64_t M, int64_t N, Item&& item) {
         const int64_t m0 = i / panels * block;
         item(m0, std::min(M, m0 + block), i % panels, c.data());
       }
+    done();
   });
 }
 
@@ -63,6 +66,7 @@ void for_gemm_items(int64_t M, int64_t N, Item&& item) {
 int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_elems, 1)); }
 
 bool cpu_has_avx512_bf16() { return __builtin_cpu_supports("avx512bf16"); }
+
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                   int64_t n, bool out_fp32) {
@@ -79,9 +83,15 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   if (M == 0) return out;
   GemmArgs a{bf16_ptr(x), M, K, x.stride(0), bf16_ptr(w), bias ? bf16_ptr(*bias) : nullptr,
              n, out.data_ptr(), out_fp32, n};
-  for_gemm_items<float>(M, n, [&](int64_t m0, int64_t m1, int64_t p, float* c) {
-    gemm_item(a, m0, m1, p, c);
-  });
+  if (M >= kAmxMinRows && amx_usable()) {
+    for_gemm_items<float>(
+        M, n, [&](int64_t m0, int64_t m1, int64_t p, float* c) { gemm_item_amx(a, m0, m1, p, c); },
+        [] { amx_release(); });
+  } else {
+    for_gemm_items<float>(M, n, [&](int64_t m0, int64_t m1, int64_t p, float* c) {
+      gemm_item(a, m0, m1, p, c);
+    });
+  }
   return out;
 }
 
@@ -177,6 +187,16 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
         quantize_row_u8(data<E>(x) + m * x.stride(0), K, K_pad, xq.data_ptr<uint8_t>() + m * K_pad,
                         x_scale.data_ptr<float>() + m, x_zero.data_ptr<int32_t>() + m);
     });
+    if (M >= kAmxMinRows && amx_usable()) {
+      for_gemm_items<int32_t>(
+          M, n,
+          [&](int64_t m0, int64_t m1, int64_t p, int32_t* c) {
+            gemm_int8_sums_amx(a, m0, m1, p, c);
+            int8_epilogue(a, E{}, m0, m1, p, c);
+          },
+          [] { amx_release(); });
+      return;
+    }
     for_gemm_items<int32_t>(M, n, [&](int64_t m0, int64_t m1, int64_t p, int32_t* c) {
       if (vnni)
         gemm_int8_sums_vnni(a, m0, m1, p, c);
@@ -490,6 +510,7 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def("cpu_has_avx512_bf16() -> bool", &pagedllm::cpu_has_avx512_bf16);
   m.def("cpu_has_avx512_vnni() -> bool", &pagedllm::cpu_has_avx512_vnni);
   m.def("cpu_has_avx2_fma() -> bool", &pagedllm::cpu_has_avx2_fma);
+  m.def("cpu_has_amx() -> bool", &pagedllm::amx_usable);
   // GEMMs: CPU kernels (not catch-alls) so that build.py can give them fakes for torch.compile.
   m.def("linear_avx2(Tensor x, Tensor w, Tensor? bias, int n, bool out_fp32) -> Tensor");
   m.def("linear(Tensor x, Tensor w, Tensor? bias, int n, bool out_fp32) -> Tensor",

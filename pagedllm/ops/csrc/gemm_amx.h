@@ -1,0 +1,219 @@
+// The bf16 panel GEMM (gemm.h's layout) on AMX tiles, for CPUs with AMX-BF16 (Intel Sapphire
+// Rapids and later), when a product has enough rows to fill them.
+//
+// The panel layout is already AMX's: a B tile is 16 k-pairs x 16 output channels x 2 bf16,
+// i.e. 16 rows of 64 bytes, and in a panel k-pair kp's pairs for channels 16 j .. 16 j + 15 are
+// the 64 bytes at (kp * 64 + 16 j) * 2 elements: a tile load with a 256-byte stride reads one
+// straight out of the packed weight. An A tile is 16 rows of x, 32 inputs (64 bytes) each.
+//
+// Tiles: C[r][j] (4, fp32 16 x 16) for two row halves r of a 32-row tile and two channel
+// quarters j of one half of the panel; A[r] (2); B[j] (2). A 32-row tile sweeps K once per
+// panel half. K beyond a multiple of 32 goes to gemm.h's AVX512-BF16 micro-kernel, which adds
+// into the same accumulators. The products and sums are fp32, as in gemm.h, in another order
+// (a row's result may differ from gemm.h's in the last bits; it does not depend on the other
+// rows of its 32-row tile).
+//
+// Tile state is per thread: each thread loads a configuration before its first tile op (kept
+// while its row counts stay the same) and releases the tiles when its share of the product is
+// done, so an idle thread holds no tile state across context switches.
+#pragma once
+
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "gemm.h"
+#include "gemm_int8.h"
+
+#define PAGEDLLM_AMX_TARGET                                                          \
+  __attribute__((target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,avx512dq," \
+                        "avx512bf16,avx512vnni,fma")))
+
+namespace pagedllm {
+
+constexpr int64_t kAmxRows = 16;  // rows of a tile
+constexpr int64_t kAmxK = 32;     // bf16 inputs per A-tile row (64 bytes)
+// Fewest rows for which `linear` takes the tiles: a single row (batch-1 decode) streams the
+// weights as fast on gemm.h's kernel, which prefetches its panel; from two rows on the tiles
+// win (SmolLM2's projections at 2 rows: 1.1-1.8x).
+constexpr int64_t kAmxMinRows = 2;
+
+// Whether this process may use AMX tiles (bf16 and int8 products): the CPU has them (and the
+// AVX-512 kernels that take the K tails) and Linux granted the tile data state (arch_prctl
+// ARCH_REQ_XCOMP_PERM; once per process, as oneDNN does it).
+static bool amx_usable() {
+  static const bool ok = [] {
+    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") ||
+        !__builtin_cpu_supports("amx-int8") || !__builtin_cpu_supports("avx512bf16") ||
+        !__builtin_cpu_supports("avx512vnni"))
+      return false;
+#if defined(__linux__) && defined(SYS_arch_prctl)
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+    return false;
+#endif
+  }();
+  return ok;
+}
+
+struct alignas(64) AmxTileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The configuration this thread has loaded (a key of amx_configure's rows; -1: none).
+static inline int& amx_loaded_config() {
+  thread_local int key = -1;
+  return key;
+}
+
+// The configuration of a 32-row tile whose halves have rows0 and rows1 rows (rows1 may be 0):
+// tmm0-3 = C[r][j] (tmm 2 r + j), tmm4-5 = A[r], tmm6-7 = B[j].
+PAGEDLLM_AMX_TARGET static inline void amx_configure(int rows0, int rows1) {
+  int& loaded = amx_loaded_config();
+  const int key = rows0 * 32 + rows1;
+  if (loaded == key) return;
+  AmxTileConfig cfg;
+  const int rows[2] = {rows0, rows1};
+  for (int r = 0; r < 2; ++r) {
+    if (rows[r] == 0) continue;
+    for (int j = 0; j < 2; ++j) {
+      cfg.rows[2 * r + j] = rows[r];
+      cfg.colsb[2 * r + j] = 16 * sizeof(float);
+    }
+    cfg.rows[4 + r] = rows[r];
+    cfg.colsb[4 + r] = kAmxK * 2;
+  }
+  for (int j = 0; j < 2; ++j) {
+    cfg.rows[6 + j] = kAmxK / 2;
+    cfg.colsb[6 + j] = 16 * 2 * 2;
+  }
+  _tile_loadconfig(&cfg);
+  loaded = key;
+}
+
+// A thread's end of tile work (see the header comment); a no-op on a thread that used none.
+PAGEDLLM_AMX_TARGET static inline void amx_release() {
+  if (amx_loaded_config() < 0) return;
+  _tile_release();
+  amx_loaded_config() = -1;
+}
+
+// c[rows][64] = x[rows, 0 .. kbytes) * panel over the same inputs, rows <= 32 in two halves
+// (TWO: the second half has rows). In bytes, both kinds are alike: 64 bytes of a row of x
+// (32 bf16 / 64 uint8 inputs) meet 16 k-groups of the panel (16 pairs / quads), 16 rows of
+// 256 bytes of which a B tile takes 64 (16 channels x 4 bytes); c holds 4-byte sums (fp32 /
+// int32), kPanel a row.
+template <bool TWO, bool INT8>
+PAGEDLLM_AMX_TARGET static inline void amx_tile_rows(const char* x, int64_t ldx,
+                                                     const char* panel, int64_t kbytes,
+                                                     void* c) {
+  constexpr int64_t wstride = kPanel * 4, cstride = kPanel * 4;
+  const char* x1 = x + kAmxRows * ldx;
+  char* cb = static_cast<char*>(c);
+  for (int half = 0; half < 2; ++half) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (TWO) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    const char* w = panel + half * 32 * 4;
+    for (int64_t k = 0; k < kbytes; k += 64) {
+      const char* wk = w + k * kPanel;
+      _tile_loadd(4, x + k, ldx);
+      _tile_loadd(6, wk, wstride);
+      _tile_loadd(7, wk + 16 * 4, wstride);
+      if (INT8) {
+        _tile_dpbusd(0, 4, 6);
+        _tile_dpbusd(1, 4, 7);
+      } else {
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+      if (TWO) {
+        _tile_loadd(5, x1 + k, ldx);
+        if (INT8) {
+          _tile_dpbusd(2, 5, 6);
+          _tile_dpbusd(3, 5, 7);
+        } else {
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+    }
+    char* ch = cb + half * 32 * 4;
+    _tile_stored(0, ch, cstride);
+    _tile_stored(1, ch + 16 * 4, cstride);
+    if (TWO) {
+      _tile_stored(2, ch + kAmxRows * cstride, cstride);
+      _tile_stored(3, ch + kAmxRows * cstride + 16 * 4, cstride);
+    }
+  }
+}
+
+// Rows [m0, m1) x one panel on tiles, 32 rows at a time, over the first kbytes bytes of each
+// row of x (a multiple of 64); tail(m, rows, c) adds the rest of K for those rows.
+template <bool INT8, class Tail>
+PAGEDLLM_AMX_TARGET static inline void amx_rows(const char* x, int64_t ldx, const char* panel,
+                                                int64_t kbytes, int64_t m0, int64_t m1, void* c,
+                                                Tail&& tail) {
+  for (int64_t m = m0; m < m1; m += 2 * kAmxRows) {
+    const int64_t rows = std::min(2 * kAmxRows, m1 - m);
+    const int rows0 = static_cast<int>(std::min(kAmxRows, rows));
+    const int rows1 = static_cast<int>(rows - rows0);
+    void* cm = static_cast<char*>(c) + (m - m0) * kPanel * 4;
+    if (kbytes > 0) {
+      amx_configure(rows0, rows1);
+      if (rows1 > 0)
+        amx_tile_rows<true, INT8>(x + m * ldx, ldx, panel, kbytes, cm);
+      else
+        amx_tile_rows<false, INT8>(x + m * ldx, ldx, panel, kbytes, cm);
+    }
+    tail(m, rows, cm);
+  }
+}
+
+// gemm.h's gemm_item on AMX tiles: rows [m0, m1) x panel p, then the same epilogue. The
+// last K % 32 inputs are added on gemm.h's AVX512-BF16 kernel.
+PAGEDLLM_AMX_TARGET static void gemm_item_amx(const GemmArgs& a, int64_t m0, int64_t m1,
+                                              int64_t p, float* c) {
+  const int64_t kp_total = a.K / 2, K32 = a.K / kAmxK * kAmxK;
+  const uint16_t* panel = a.w + p * kp_total * 2 * kPanel;
+  amx_rows<false>(reinterpret_cast<const char*>(a.x), a.ldx * 2,
+                  reinterpret_cast<const char*>(panel), K32 * 2, m0, m1, c,
+                  [&](int64_t m, int64_t rows, void* cm) {
+                    if (K32 == a.K) return;
+                    float* cf = static_cast<float*>(cm);
+                    for (int64_t r = 0; r < rows; r += kRowTile)
+                      micro_dispatch(std::min(kRowTile, rows - r), a.x + (m + r) * a.ldx + K32,
+                                     a.ldx, panel + K32 * kPanel, kp_total - K32 / 2,
+                                     cf + r * kPanel, K32 > 0);
+                  });
+  gemm_epilogue(a, m0, m1, p, c);
+}
+
+// gemm_int8.h's int32 sums on AMX tiles (vpdpbusd's products and sums, so the same numbers):
+// the last K_pad % 64 inputs are added on the AVX512-VNNI kernel.
+PAGEDLLM_AMX_TARGET static void gemm_int8_sums_amx(const Int8GemmArgs& a, int64_t m0,
+                                                   int64_t m1, int64_t p, int32_t* c) {
+  const int64_t kbytes = a.Kq * 4, K64 = kbytes / 64 * 64;
+  const int8_t* panel = a.w + p * a.Kq * 4 * kPanel;
+  amx_rows<true>(reinterpret_cast<const char*>(a.xq), a.ldx,
+                 reinterpret_cast<const char*>(panel), K64, m0, m1, c,
+                 [&](int64_t m, int64_t rows, void* cm) {
+                   if (K64 == kbytes) return;
+                   int32_t* ci = static_cast<int32_t*>(cm);
+                   for (int64_t r = 0; r < rows; r += kRowTile)
+                     micro_u8s8_dispatch(std::min(kRowTile, rows - r), a.xq + (m + r) * a.ldx + K64,
+                                         a.ldx, panel + K64 * kPanel, (kbytes - K64) / 4,
+                                         ci + r * kPanel, K64 > 0);
+                 });
+}
+
+}  // namespace pagedllm
