@@ -268,7 +268,11 @@ def test_page_in_a_browser_moves_under_load_and_settles(server, tmp_path):
                     page.wait_for_function(f"pagedllmDashboard.ticks > {ticks}")
                     seen.add(page.evaluate(blocks))
                 assert len(seen) > 1, "the block map changes under load"
-                assert page.locator("#requests tbody tr").count() > 0
+                # The clients run in near lockstep, so a tick can fall between one round of
+                # their requests and the next: wait for a tick that shows some in flight.
+                page.wait_for_function(
+                    "document.querySelectorAll('#requests tbody tr').length > 0", timeout=20_000
+                )
                 shot = page.screenshot(full_page=True)
                 assert shot[:8] == b"\x89PNG\r\n\x1a\n" and len(shot) > 20_000
                 target = os.environ.get(SCREENSHOT_ENV)

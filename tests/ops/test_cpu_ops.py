@@ -109,17 +109,18 @@ def test_linear_int8_equals_the_reference(m, n, k, dtype):
 
 
 @needs_bf16
-@pytest.mark.parametrize("k", [64, 770])
+@pytest.mark.parametrize("k", [64, 770, 2048])
 def test_linear_bf16_rows_do_not_depend_on_their_batch(k):
     """A row's bf16-panel result is the same bits in every batch of two rows or more (on AMX
     CPUs, the tile kernel's; the tile halves of 16 rows, a K tail past a multiple of 32 and
-    partial 96-row blocks included), and in a batch of one without AMX."""
+    partial row blocks included: 96 rows, or on AMX 128 at K = 2048), and in a batch of one
+    without AMX."""
     g = torch.Generator().manual_seed(k)
     x = torch.randn(130, k, generator=g).to(BF16)
     w = (torch.randn(200, k, generator=g) * 0.1).to(BF16)
     panels = to_panels(w)
     full = ops.linear(x, panels, None, 200, True)
-    for start, stop in ((0, 2), (5, 21), (17, 50), (33, 130), (96, 99)):
+    for start, stop in ((0, 2), (5, 21), (17, 50), (33, 130), (96, 99), (120, 130)):
         assert torch.equal(ops.linear(x[start:stop], panels, None, 200, True), full[start:stop])
     if not ops.cpu_has_amx():
         assert torch.equal(ops.linear(x[7:8], panels, None, 200, True), full[7:8])

@@ -349,6 +349,30 @@ static inline int64_t prefill_scratch(int64_t G, int64_t D) {
   return nq * D * 2 + nq * 2 + D * kPrefillKeys * 2;
 }
 
+// Keys j0 .. j0 + nk of request b, KV head kvh (head size D = 8 C) in fp32: K transposed into
+// kt [D][kPrefillKeys], V into vf [kPrefillKeys][D], zeros past nk.
+template <class E, int C>
+PAGEDLLM_AVX2_TARGET static inline void prefill_key_block(const DecodeAttnArgs<E>& a, int64_t b,
+                                                          int64_t kvh, int64_t j0, int64_t nk,
+                                                          float* kt, float* vf) {
+  constexpr int64_t D = 8 * C, KB = kPrefillKeys;
+  for (int64_t h = 0; h < KB; h += 8) {  // keys j0 + h .. + 8: transpose 8 x 8 tiles
+    const typename E::T* k[8];
+    for (int64_t j = 0; j < 8; ++j) {
+      k[j] = h + j < nk ? a.row(b, kvh, j0 + h + j, false) : nullptr;
+      const typename E::T* v = h + j < nk ? a.row(b, kvh, j0 + h + j, true) : nullptr;
+      for (int c = 0; c < C; ++c)
+        _mm256_storeu_ps(vf + (h + j) * D + 8 * c, v ? load8(v + 8 * c) : _mm256_setzero_ps());
+    }
+    for (int c = 0; c < C; ++c) {
+      __m256 r[8];
+      for (int j = 0; j < 8; ++j) r[j] = k[j] ? load8(k[j] + 8 * c) : _mm256_setzero_ps();
+      transpose8(r);
+      for (int d = 0; d < 8; ++d) _mm256_storeu_ps(kt + (8 * c + d) * KB + h, r[d]);
+    }
+  }
+}
+
 // One item: rows [r0, r0 + kPrefillRows) of request b, KV head kvh; out rows are H * D apart.
 template <class E, int C>
 PAGEDLLM_AVX2_TARGET static void prefill_item_avx2(const DecodeAttnArgs<E>& a, const int64_t* qsl,
@@ -377,21 +401,7 @@ PAGEDLLM_AVX2_TARGET static void prefill_item_avx2(const DecodeAttnArgs<E>& a, c
   const int64_t end = ctx + r1;  // the last row's keys: 0 .. end - 1
   for (int64_t j0 = 0; j0 < end; j0 += KB) {
     const int64_t nk = std::min(KB, end - j0);
-    for (int64_t h = 0; h < KB; h += 8) {  // keys j0 + h .. + 8: transpose 8 x 8 tiles
-      const typename E::T* k[8];
-      for (int64_t j = 0; j < 8; ++j) {
-        k[j] = h + j < nk ? a.row(b, kvh, j0 + h + j, false) : nullptr;
-        const typename E::T* v = h + j < nk ? a.row(b, kvh, j0 + h + j, true) : nullptr;
-        for (int c = 0; c < C; ++c)
-          _mm256_storeu_ps(vf + (h + j) * D + 8 * c, v ? load8(v + 8 * c) : _mm256_setzero_ps());
-      }
-      for (int c = 0; c < C; ++c) {
-        __m256 r[8];
-        for (int j = 0; j < 8; ++j) r[j] = k[j] ? load8(k[j] + 8 * c) : _mm256_setzero_ps();
-        transpose8(r);
-        for (int d = 0; d < 8; ++d) _mm256_storeu_ps(kt + (8 * c + d) * KB + h, r[d]);
-      }
-    }
+    prefill_key_block<E, C>(a, b, kvh, j0, nk, kt, vf);
     // Rows before j0 - ctx see none of this block.
     for (int64_t i = std::max<int64_t>(0, j0 - ctx - r0) * G; i < nq; i += 4) {
       // Eight named accumulators: as an array, GCC keeps them on the stack.
@@ -456,6 +466,147 @@ PAGEDLLM_AVX2_TARGET static void prefill_item_avx2(const DecodeAttnArgs<E>& a, c
   }
 }
 
+// ---- the same on AVX-512 (head sizes that are multiples of 16) ----------------------------
+// A key block's 16 scores are one vector, and a row's softmax step and P V take half the
+// instructions. A query vector's arithmetic is still its own (the same in any batch or chunk);
+// its sums differ from the AVX2 kernel's only in the order of each row's 16-term sum of p.
+
+#define PAGEDLLM_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
+
+PAGEDLLM_AVX512_TARGET static inline __m512 load16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+PAGEDLLM_AVX512_TARGET static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+// 16 fp32 -> 16 elements at p; bf16 rounded to nearest even (the outputs are finite).
+PAGEDLLM_AVX512_TARGET static inline void store16(uint16_t* p, __m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+}
+PAGEDLLM_AVX512_TARGET static inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+
+// exp8 on 16 lanes (the same steps).
+PAGEDLLM_AVX512_TARGET static inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 big = _mm512_set1_ps(12582912.f);
+  const __m512 n = _mm512_sub_ps(
+      _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), big), big);
+  const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
+                                 _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i bits =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// prefill_item_avx2 for head size D = 16 C.
+template <class E, int C>
+PAGEDLLM_AVX512_TARGET static void prefill_item_avx512(const DecodeAttnArgs<E>& a,
+                                                       const int64_t* qsl, int64_t b,
+                                                       int64_t kvh, int64_t r0, float* scratch) {
+  static_assert(kPrefillKeys == 16, "a key block is one 16-lane vector");
+  constexpr int64_t D = 16 * C, KB = kPrefillKeys;
+  const int64_t H = a.num_heads, G = H / a.num_kv_heads;
+  const int64_t qlen = qsl[b + 1] - qsl[b], ctx = a.seq_lens[b] - qlen;
+  const int64_t r1 = std::min(qlen, r0 + kPrefillRows), nq = (r1 - r0) * G;
+  float* qf = scratch;            // [nq + 3][D] scaled queries (3 zero vectors after)
+  float* o = qf + (nq + 3) * D;   // [nq + 3][D] unnormalized outputs
+  float* ml = o + (nq + 3) * D;   // [nq][2] running max, running sum
+  float* kt = ml + 2 * (nq + 3);  // [D][KB] the key block, transposed
+  float* vf = kt + D * KB;        // [KB][D] the value block
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  for (int64_t i = 0; i < nq + 3; ++i) {
+    const typename E::T* q = a.q + (qsl[b] + r0 + i / G) * a.q_stride + (kvh * G + i % G) * D;
+    for (int c = 0; c < C; ++c) {
+      const __m512 v = i < nq ? _mm512_mul_ps(load16(q + 16 * c), scale) : _mm512_setzero_ps();
+      _mm512_storeu_ps(qf + i * D + 16 * c, v);
+      _mm512_storeu_ps(o + i * D + 16 * c, _mm512_setzero_ps());
+    }
+    if (i < nq) ml[2 * i] = -INFINITY, ml[2 * i + 1] = 0.f;
+  }
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  const int64_t end = ctx + r1;  // the last row's keys: 0 .. end - 1
+  for (int64_t j0 = 0; j0 < end; j0 += KB) {
+    const int64_t nk = std::min(KB, end - j0);
+    prefill_key_block<E, 2 * C>(a, b, kvh, j0, nk, kt, vf);
+    // Rows before j0 - ctx see none of this block.
+    for (int64_t i = std::max<int64_t>(0, j0 - ctx - r0) * G; i < nq; i += 4) {
+      __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+      const float* q0 = qf + i * D;
+      for (int64_t d = 0; d < D; ++d) {
+        const __m512 k = _mm512_loadu_ps(kt + d * KB);
+        s0 = _mm512_fmadd_ps(_mm512_set1_ps(q0[d]), k, s0);
+        s1 = _mm512_fmadd_ps(_mm512_set1_ps(q0[D + d]), k, s1);
+        s2 = _mm512_fmadd_ps(_mm512_set1_ps(q0[2 * D + d]), k, s2);
+        s3 = _mm512_fmadd_ps(_mm512_set1_ps(q0[3 * D + d]), k, s3);
+      }
+      const __m512 s[4] = {s0, s1, s2, s3};
+      // The softmax step of each of the 4 query vectors (rows past nq: weights 0), then P V
+      // for the 4 together, each V vector loaded once for all of them. A key a vector does
+      // not see has weight 0 and adds exactly nothing.
+      alignas(64) float pj[4][KB];
+      int64_t last = 0;  // keys any of the 4 sees
+      for (int u = 0; u < 4; ++u) {
+        const int64_t qi = i + u, pos = ctx + r0 + qi / G;
+        if (qi >= nq) {
+          _mm512_store_ps(pj[u], _mm512_setzero_ps());
+          continue;
+        }
+        const __mmask16 seen = _mm512_cmpgt_epi32_mask(
+            _mm512_set1_epi32(static_cast<int32_t>(pos - j0 + 1)), iota);
+        const __m512 sc = _mm512_mask_blend_ps(seen, ninf, s[u]);
+        float* oq = o + qi * D;
+        float& m = ml[2 * qi];
+        const float mb = _mm512_reduce_max_ps(sc);
+        if (mb > m) {
+          const float corr = exp_approx(m - mb);
+          m = mb;
+          ml[2 * qi + 1] *= corr;
+          const __m512 cv = _mm512_set1_ps(corr);
+          for (int c = 0; c < C; ++c)
+            _mm512_storeu_ps(oq + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(oq + 16 * c), cv));
+        }
+        const __m512 p = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(m))));
+        ml[2 * qi + 1] += _mm512_reduce_add_ps(p);
+        _mm512_store_ps(pj[u], p);
+        last = std::max(last, std::min(nk, pos - j0 + 1));
+      }
+      __m512 acc[4][C];
+      for (int u = 0; u < 4; ++u)
+        for (int c = 0; c < C; ++c) acc[u][c] = _mm512_loadu_ps(o + (i + u) * D + 16 * c);
+      for (int64_t j = 0; j < last; ++j) {
+        const __m512 w0 = _mm512_set1_ps(pj[0][j]), w1 = _mm512_set1_ps(pj[1][j]);
+        const __m512 w2 = _mm512_set1_ps(pj[2][j]), w3 = _mm512_set1_ps(pj[3][j]);
+        for (int c = 0; c < C; ++c) {
+          const __m512 v = _mm512_loadu_ps(vf + j * D + 16 * c);
+          acc[0][c] = _mm512_fmadd_ps(w0, v, acc[0][c]);
+          acc[1][c] = _mm512_fmadd_ps(w1, v, acc[1][c]);
+          acc[2][c] = _mm512_fmadd_ps(w2, v, acc[2][c]);
+          acc[3][c] = _mm512_fmadd_ps(w3, v, acc[3][c]);
+        }
+      }
+      for (int u = 0; u < 4; ++u)
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + (i + u) * D + 16 * c, acc[u][c]);
+    }
+  }
+  for (int64_t i = 0; i < nq; ++i) {
+    typename E::T* out = a.out + (qsl[b] + r0 + i / G) * H * D + (kvh * G + i % G) * D;
+    const __m512 inv = _mm512_set1_ps(1.f / ml[2 * i + 1]);
+    for (int c = 0; c < C; ++c)
+      store16(out + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(o + i * D + 16 * c), inv));
+  }
+}
+
 // Whether prefill_item runs head size D (the Python side asks before choosing it).
 static inline bool prefill_head_size_ok(int64_t D) {
   return D == 32 || D == 64 || D == 80 || D == 96 || D == 128;
@@ -464,6 +615,14 @@ static inline bool prefill_head_size_ok(int64_t D) {
 template <class E>
 static void prefill_item(const DecodeAttnArgs<E>& a, const int64_t* qsl, int64_t b, int64_t kvh,
                          int64_t r0, float* scratch) {
+  static const bool avx512 = __builtin_cpu_supports("avx512f") &&
+                             __builtin_cpu_supports("avx512bw") &&
+                             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  if (avx512) switch (a.head_size) {
+      case 32: return prefill_item_avx512<E, 2>(a, qsl, b, kvh, r0, scratch);
+      case 64: return prefill_item_avx512<E, 4>(a, qsl, b, kvh, r0, scratch);
+      case 128: return prefill_item_avx512<E, 8>(a, qsl, b, kvh, r0, scratch);
+    }
   switch (a.head_size) {
     case 32: return prefill_item_avx2<E, 4>(a, qsl, b, kvh, r0, scratch);
     case 64: return prefill_item_avx2<E, 8>(a, qsl, b, kvh, r0, scratch);

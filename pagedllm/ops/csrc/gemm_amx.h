@@ -40,6 +40,9 @@ constexpr int64_t kAmxK = 32;     // bf16 inputs per A-tile row (64 bytes)
 // weights as fast on gemm.h's kernel, which prefetches its panel; from two rows on the tiles
 // win (SmolLM2's projections at 2 rows: 1.1-1.8x).
 constexpr int64_t kAmxMinRows = 2;
+// Bytes of x a work item's row block may take (ops.cpp's amx_row_block): a quarter of the
+// 2 MB L2 of these CPUs.
+constexpr int64_t kAmxRowBlockBytes = 512 * 1024;
 
 // Whether this process may use AMX tiles (bf16 and int8 products): the CPU has them (and the
 // AVX-512 kernels that take the K tails) and Linux granted the tile data state (arch_prctl

@@ -68,6 +68,20 @@ int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::
 bool cpu_has_avx512_bf16() { return __builtin_cpu_supports("avx512bf16"); }
 
 
+// Rows per work item of the AMX GEMMs (M x N): as many as keep a row block of x (row_bytes a
+// row) within kAmxRowBlockBytes (a multiple of 32, at least kRowBlock, at most 1024), but
+// few enough that there are 8 items a thread. A thread walks every panel of the weight per
+// row block, so larger blocks stream the weight from L3 / DRAM fewer times.
+int64_t amx_row_block(int64_t row_bytes, int64_t M, int64_t N) {
+  int64_t rows = std::max<int64_t>(kRowBlock, std::min<int64_t>(1024, kAmxRowBlockBytes / row_bytes / 32 * 32));
+  const int64_t panels = (N + kPanel - 1) / kPanel, want = 8 * at::get_num_threads();
+  if ((M + rows - 1) / rows * panels < want) {
+    const int64_t blocks = (want + panels - 1) / panels;
+    rows = std::min(rows, std::max<int64_t>(kRowBlock, ((M + blocks - 1) / blocks + 31) / 32 * 32));
+  }
+  return rows;
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                   int64_t n, bool out_fp32) {
   TORCH_CHECK(cpu_has_avx512_bf16(), "pagedllm::linear needs AVX512-BF16");
@@ -86,7 +100,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   if (M >= kAmxMinRows && amx_usable()) {
     for_gemm_items<float>(
         M, n, [&](int64_t m0, int64_t m1, int64_t p, float* c) { gemm_item_amx(a, m0, m1, p, c); },
-        [] { amx_release(); });
+        [] { amx_release(); }, amx_row_block(2 * K, M, n));
   } else {
     for_gemm_items<float>(M, n, [&](int64_t m0, int64_t m1, int64_t p, float* c) {
       gemm_item(a, m0, m1, p, c);
@@ -194,7 +208,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
             gemm_int8_sums_amx(a, m0, m1, p, c);
             int8_epilogue(a, E{}, m0, m1, p, c);
           },
-          [] { amx_release(); });
+          [] { amx_release(); }, amx_row_block(K_pad, M, n));
       return;
     }
     for_gemm_items<int32_t>(M, n, [&](int64_t m0, int64_t m1, int64_t p, int32_t* c) {
