@@ -358,6 +358,8 @@ def _projection(kind: str, n: int, k: int, g: torch.Generator, dtype: torch.dtyp
         panels = to_panels(q)
         colsum = F.pad(q.sum(1, dtype=torch.int32), (0, panels.shape[0] * 64 - n))
         return (1, panels, scale, colsum, None, n)
+    if kind == "bf16":
+        return (2, to_panels(w.to(BF16)), None, None, None, n)
     return (0, to_panels(w.to(dtype), 1), None, None, None, n)
 
 
@@ -365,16 +367,21 @@ def _project(x: torch.Tensor, p: tuple) -> torch.Tensor:
     kind, panels, scale, colsum, bias, n = p
     if kind == 1:
         return ops.linear_int8(x, panels, scale, colsum, bias, n, False)
+    if kind == 2:
+        return ops.linear(x, panels, bias, n, False)
     return ops.linear_avx2(x, panels, bias, n, False)
 
 
 @needs_avx2
-@pytest.mark.parametrize("kind", ["avx2", "int8"])
+@pytest.mark.parametrize("kind", ["avx2", "int8", "bf16"])
 @pytest.mark.parametrize("rows", [7, 1100])
 def test_attention_out_mlp_is_the_separate_ops(kind, rows):
     """The fused op runs o_proj, the residual add + RMSNorm, gate/up, SiLU x mul and down
-    exactly as the separate ops do, a prefill's MLP in row chunks (1100 rows: three) included:
-    the same bits, and the same residual stream left behind."""
+    exactly as the separate ops do, a prefill's MLP in row chunks (1100 rows: three, the down
+    projection writing straight into the output's rows) included: the same bits, and the same
+    residual stream left behind."""
+    if kind == "bf16" and not ops.cpu_has_avx512_bf16():
+        pytest.skip("no AVX512-BF16 on this CPU")
     g = torch.Generator().manual_seed(rows)
     dtype, hidden, inter = BF16, 128, 192
     o, gate_up, down = (

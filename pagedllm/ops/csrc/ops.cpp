@@ -68,6 +68,16 @@ int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::
 bool cpu_has_avx512_bf16() { return __builtin_cpu_supports("avx512bf16"); }
 
 
+// The [M, n] output of a projection: `into` (rows with a stride, the caller's buffer) when
+// given, else a new tensor.
+at::Tensor output_rows(at::Tensor* into, int64_t M, int64_t n, const at::TensorOptions& opts) {
+  if (!into) return at::empty({M, n}, opts);
+  TORCH_CHECK(into->dim() == 2 && into->size(0) == M && into->size(1) == n && into->stride(1) == 1 &&
+                  into->scalar_type() == opts.dtype().toScalarType(),
+              "output rows: [M, n] of the result's dtype");
+  return *into;
+}
+
 // Rows per work item of the AMX GEMMs (M x N): as many as keep a row block of x (row_bytes a
 // row) within kAmxRowBlockBytes (a multiple of 32, at least kRowBlock, at most 1024), but
 // few enough that there are 8 items a thread. A thread walks every panel of the weight per
@@ -83,7 +93,7 @@ int64_t amx_row_block(int64_t row_bytes, int64_t M, int64_t N) {
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                  int64_t n, bool out_fp32) {
+                  int64_t n, bool out_fp32, at::Tensor* into = nullptr) {
   TORCH_CHECK(cpu_has_avx512_bf16(), "pagedllm::linear needs AVX512-BF16");
   check_rows(x, "x");
   const int64_t M = x.size(0), K = x.size(1);
@@ -93,10 +103,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
                   w.size(3) == 2,
               "w must be bfloat16 packed [ceil(N / 64), K / 2, 64, 2]");
   if (bias) TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == n, "bias: bfloat16 [N]");
-  at::Tensor out = at::empty({M, n}, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
+  at::Tensor out = output_rows(into, M, n, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
   if (M == 0) return out;
   GemmArgs a{bf16_ptr(x), M, K, x.stride(0), bf16_ptr(w), bias ? bf16_ptr(*bias) : nullptr,
-             n, out.data_ptr(), out_fp32, n};
+             n, out.data_ptr(), out_fp32, out.stride(0)};
   if (M >= kAmxMinRows && amx_usable()) {
     for_gemm_items<float>(
         M, n, [&](int64_t m0, int64_t m1, int64_t p, float* c) { gemm_item_amx(a, m0, m1, p, c); },
@@ -131,7 +141,7 @@ void check_like(const at::Tensor& t, const at::Tensor& like, const char* name) {
 // w packed [ceil(N / 64), K, 64, 1] in x's dtype, bias in x's dtype; y in fp32 (out_fp32) or
 // x's dtype.
 at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                       int64_t n, bool out_fp32) {
+                       int64_t n, bool out_fp32, at::Tensor* into = nullptr) {
   TORCH_CHECK(cpu_has_avx2_fma(), "pagedllm::linear_avx2 needs AVX2 and FMA");
   check_any_rows(x, "x");
   check_like(w, x, "w");
@@ -143,7 +153,7 @@ at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& w, const c10::opti
     check_like(*bias, x, "bias");
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == n, "bias: [N]");
   }
-  at::Tensor out = at::empty({M, n}, out_fp32 ? x.options().dtype(at::kFloat) : x.options());
+  at::Tensor out = output_rows(into, M, n, out_fp32 ? x.options().dtype(at::kFloat) : x.options());
   if (M == 0) return out;
   by_dtype(x, "x", [&]<class E>() {
     at::Tensor xf = x;
@@ -155,7 +165,7 @@ at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& w, const c10::opti
       });
     }
     GemmF32Args a{xf.data_ptr<float>(), M, K, xf.stride(0), w.data_ptr(),
-                  bias ? bias->data_ptr() : nullptr, n, out.data_ptr(), out_fp32, n};
+                  bias ? bias->data_ptr() : nullptr, n, out.data_ptr(), out_fp32, out.stride(0)};
     for_gemm_items<float>(M, n, [&](int64_t m0, int64_t m1, int64_t p, float* c) {
       gemm_f32_item<typename E::T, E>(a, m0, m1, p, c);
     });
@@ -169,7 +179,7 @@ bool cpu_has_avx512_vnni() { return __builtin_cpu_supports("avx512vnni"); }
 // the AVX512-VNNI kernel or else the AVX2 one; the result in fp32 (out_fp32) or x's dtype.
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
                        const at::Tensor& colsum, const c10::optional<at::Tensor>& bias, int64_t n,
-                       bool out_fp32) {
+                       bool out_fp32, at::Tensor* into = nullptr) {
   const bool vnni = cpu_has_avx512_vnni();
   TORCH_CHECK(vnni || cpu_has_avx2_fma(), "pagedllm::linear_int8 needs AVX512-VNNI or AVX2 + FMA");
   check_any_rows(x, "x");
@@ -185,7 +195,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     check_like(*bias, x, "bias");
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == n, "bias: [N]");
   }
-  at::Tensor out = at::empty({M, n}, out_fp32 ? x.options().dtype(at::kFloat) : x.options());
+  at::Tensor out = output_rows(into, M, n, out_fp32 ? x.options().dtype(at::kFloat) : x.options());
   if (M == 0) return out;
   const int64_t Kq = w.size(1), K_pad = 4 * Kq;
   at::Tensor xq = at::empty({M, K_pad}, x.options().dtype(at::kByte));
@@ -194,7 +204,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   Int8GemmArgs a{xq.data_ptr<uint8_t>(), x_scale.data_ptr<float>(), x_zero.data_ptr<int32_t>(),
                  M, Kq, K_pad, w.data_ptr<int8_t>(), w_scale.data_ptr<float>(),
                  colsum.data_ptr<int32_t>(), bias ? bias->data_ptr() : nullptr, n,
-                 out.data_ptr(), out_fp32, n};
+                 out.data_ptr(), out_fp32, out.stride(0)};
   by_dtype(x, "x", [&]<class E>() {
     at::parallel_for(0, M, row_grain(K), [&](int64_t b, int64_t e) {
       for (int64_t m = b; m < e; ++m)
@@ -417,16 +427,16 @@ void paged_prefill_attention(const at::Tensor& q, at::Tensor& out, const at::Ten
 // dispatcher hops between them (~200 us a layer on a small model's decode step).
 
 // One projection: kind 0 = linear_avx2, 1 = linear_int8, 2 = linear (AVX512-BF16); the
-// output in x's dtype.
+// output in x's dtype, written into `into`'s rows when given.
 at::Tensor project(const at::Tensor& x, int64_t kind, const at::Tensor& w,
                    const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& colsum,
-                   const c10::optional<at::Tensor>& bias, int64_t n) {
+                   const c10::optional<at::Tensor>& bias, int64_t n, at::Tensor* into = nullptr) {
   switch (kind) {
-    case 0: return linear_avx2(x, w, bias, n, false);
+    case 0: return linear_avx2(x, w, bias, n, false, into);
     case 1:
       TORCH_CHECK(scale && colsum, "an int8 projection needs its scales and column sums");
-      return linear_int8(x, w, *scale, *colsum, bias, n, false);
-    case 2: return linear(x, w, bias, n, false);
+      return linear_int8(x, w, *scale, *colsum, bias, n, false, into);
+    case 2: return linear(x, w, bias, n, false, into);
   }
   TORCH_CHECK(false, "unknown projection kind ", kind);
 }
@@ -461,20 +471,20 @@ at::Tensor attention_out_mlp(
     const c10::optional<at::Tensor>& down_bias, int64_t down_n) {
   at::Tensor o = project(attn.contiguous(), o_kind, o_w, o_scale, o_colsum, o_bias, o_n);
   at::Tensor h = rms_norm_impl(o, &residual, norm_weight, eps);
-  auto mlp = [&](const at::Tensor& rows) {
+  auto mlp = [&](const at::Tensor& rows, at::Tensor* into) {
     at::Tensor gate_up = project(rows, gu_kind, gu_w, gu_scale, gu_colsum, gu_bias, gu_n);
     return project(silu_and_mul(gate_up), down_kind, down_w, down_scale, down_colsum,
-                   down_bias, down_n);
+                   down_bias, down_n, into);
   };
   // A prefill's MLP in row chunks: its [T, 2 * I] intermediate and the widened activations
   // stay a few MB (in cache, reused by the allocator) instead of tens of MB mapped and
   // faulted in afresh each layer. Every kernel computes a row on its own: same bits.
   const int64_t T = h.size(0), chunk = std::max<int64_t>(512, 2 * kRowBlock * at::get_num_threads());
-  if (T <= chunk) return mlp(h);
+  if (T <= chunk) return mlp(h, nullptr);
   at::Tensor out = at::empty({T, down_n}, h.options());
   for (int64_t t = 0; t < T; t += chunk) {
-    const int64_t n = std::min(chunk, T - t);
-    out.narrow(0, t, n).copy_(mlp(h.narrow(0, t, n)));
+    at::Tensor rows = out.narrow(0, t, std::min(chunk, T - t));
+    mlp(h.narrow(0, t, rows.size(0)), &rows);  // the down projection writes out's rows
   }
   return out;
 }
@@ -528,7 +538,8 @@ TORCH_LIBRARY(pagedllm, m) {
   // GEMMs: CPU kernels (not catch-alls) so that build.py can give them fakes for torch.compile.
   m.def("linear_avx2(Tensor x, Tensor w, Tensor? bias, int n, bool out_fp32) -> Tensor");
   m.def("linear(Tensor x, Tensor w, Tensor? bias, int n, bool out_fp32) -> Tensor",
-        &pagedllm::linear);
+        [](const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+           int64_t n, bool out_fp32) { return pagedllm::linear(x, w, bias, n, out_fp32); });
   m.def("linear_int8(Tensor x, Tensor w, Tensor w_scale, Tensor colsum, Tensor? bias, int n, "
         "bool out_fp32) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &pagedllm::rms_norm);
@@ -566,6 +577,13 @@ TORCH_LIBRARY(pagedllm, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
-  m.impl("linear_avx2", &pagedllm::linear_avx2);
-  m.impl("linear_int8", &pagedllm::linear_int8);
+  m.impl("linear_avx2", [](const at::Tensor& x, const at::Tensor& w,
+                          const c10::optional<at::Tensor>& bias, int64_t n, bool out_fp32) {
+    return pagedllm::linear_avx2(x, w, bias, n, out_fp32);
+  });
+  m.impl("linear_int8", [](const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
+                          const at::Tensor& colsum, const c10::optional<at::Tensor>& bias,
+                          int64_t n, bool out_fp32) {
+    return pagedllm::linear_int8(x, w, w_scale, colsum, bias, n, out_fp32);
+  });
 }
