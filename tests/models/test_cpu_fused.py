@@ -5,8 +5,10 @@ prefills, chunked prefills mixed with decodes, prefix-cache hits and decode-only
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagedllm.layers import cpu_fused
+from pagedllm.layers.cpu_gemm import panel_kernel
 from pagedllm.ops import cpu_ops
 
 pytestmark = pytest.mark.skipif(
@@ -63,10 +65,7 @@ def _run(model_dir, monkeypatch, **kw):
     ],
 )
 def test_fused_layers_change_no_output(arch, dtype, quantization, tiny_model_dirs, monkeypatch):
-    import torch
-
     from pagedllm.attention.cpu_backend import CpuAttentionBackend
-    from pagedllm.layers.cpu_gemm import panel_kernel
 
     weights = torch.int8 if quantization == "int8" else getattr(torch, dtype)
     if panel_kernel(weights) is None:  # e.g. fp32 on an AVX-512 CPU: oneDNN's GEMMs

@@ -349,6 +349,65 @@ static inline int64_t prefill_scratch(int64_t G, int64_t D) {
   return nq * D * 2 + nq * 2 + D * kPrefillKeys * 2;
 }
 
+// One prefill item's state in scratch (prefill_scratch's floats): its query vectors
+// (G per row, rows [r0, r1)) scaled, their unnormalized outputs and running max / sum, and
+// one key block.
+struct PrefillItem {
+  int64_t G, ctx, r0, r1, nq;
+  float* qf;  // [nq + 3][D] scaled queries (3 zero vectors after)
+  float* o;   // [nq + 3][D] unnormalized outputs
+  float* ml;  // [nq][2] running max, running sum
+  float* kt;  // [D][kPrefillKeys] the key block, transposed
+  float* vf;  // [kPrefillKeys][D] the value block
+};
+
+// Rows [r0, r0 + kPrefillRows) of request b, KV head kvh (head size D = 8 C): the scratch
+// laid out, the queries scaled into qf, outputs and sums zeroed.
+template <class E, int C>
+PAGEDLLM_AVX2_TARGET static inline __attribute__((always_inline)) PrefillItem prefill_item_start(
+    const DecodeAttnArgs<E>& a, const int64_t* qsl, int64_t b, int64_t kvh, int64_t r0,
+    float* scratch) {
+  constexpr int64_t D = 8 * C;
+  PrefillItem it;
+  it.G = a.num_heads / a.num_kv_heads;
+  const int64_t qlen = qsl[b + 1] - qsl[b];
+  it.ctx = a.seq_lens[b] - qlen;
+  it.r0 = r0;
+  it.r1 = std::min(qlen, r0 + kPrefillRows);
+  it.nq = (it.r1 - r0) * it.G;
+  it.qf = scratch;
+  it.o = it.qf + (it.nq + 3) * D;
+  it.ml = it.o + (it.nq + 3) * D;
+  it.kt = it.ml + 2 * (it.nq + 3);
+  it.vf = it.kt + D * kPrefillKeys;
+  const __m256 scale = _mm256_set1_ps(a.scale);
+  for (int64_t i = 0; i < it.nq + 3; ++i) {
+    const typename E::T* q =
+        a.q + (qsl[b] + r0 + i / it.G) * a.q_stride + (kvh * it.G + i % it.G) * D;
+    for (int c = 0; c < C; ++c) {
+      const __m256 v = i < it.nq ? _mm256_mul_ps(load8(q + 8 * c), scale) : _mm256_setzero_ps();
+      _mm256_storeu_ps(it.qf + i * D + 8 * c, v);
+      _mm256_storeu_ps(it.o + i * D + 8 * c, _mm256_setzero_ps());
+    }
+    if (i < it.nq) it.ml[2 * i] = -INFINITY, it.ml[2 * i + 1] = 0.f;
+  }
+  return it;
+}
+
+// The item's outputs divided by their sums, into out (rows H * D apart).
+template <class E, int C>
+PAGEDLLM_AVX2_TARGET static inline __attribute__((always_inline)) void prefill_item_finish(
+    const DecodeAttnArgs<E>& a, const int64_t* qsl, int64_t b, int64_t kvh, const PrefillItem& it) {
+  constexpr int64_t D = 8 * C;
+  for (int64_t i = 0; i < it.nq; ++i) {
+    typename E::T* out =
+        a.out + (qsl[b] + it.r0 + i / it.G) * a.num_heads * D + (kvh * it.G + i % it.G) * D;
+    const __m256 inv = _mm256_set1_ps(1.f / it.ml[2 * i + 1]);
+    for (int c = 0; c < C; ++c)
+      store8(out + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(it.o + i * D + 8 * c), inv));
+  }
+}
+
 // Keys j0 .. j0 + nk of request b, KV head kvh (head size D = 8 C) in fp32: K transposed into
 // kt [D][kPrefillKeys], V into vf [kPrefillKeys][D], zeros past nk.
 template <class E, int C>
@@ -379,24 +438,9 @@ PAGEDLLM_AVX2_TARGET static void prefill_item_avx2(const DecodeAttnArgs<E>& a, c
                                                    int64_t b, int64_t kvh, int64_t r0,
                                                    float* scratch) {
   constexpr int64_t D = 8 * C, KB = kPrefillKeys;
-  const int64_t H = a.num_heads, G = H / a.num_kv_heads;
-  const int64_t qlen = qsl[b + 1] - qsl[b], ctx = a.seq_lens[b] - qlen;
-  const int64_t r1 = std::min(qlen, r0 + kPrefillRows), nq = (r1 - r0) * G;
-  float* qf = scratch;            // [nq + 3][D] scaled queries (3 zero vectors after)
-  float* o = qf + (nq + 3) * D;   // [nq + 3][D] unnormalized outputs
-  float* ml = o + (nq + 3) * D;   // [nq][2] running max, running sum
-  float* kt = ml + 2 * (nq + 3);  // [D][KB] the key block, transposed
-  float* vf = kt + D * KB;        // [KB][D] the value block
-  const __m256 scale = _mm256_set1_ps(a.scale);
-  for (int64_t i = 0; i < nq + 3; ++i) {
-    const typename E::T* q = a.q + (qsl[b] + r0 + i / G) * a.q_stride + (kvh * G + i % G) * D;
-    for (int c = 0; c < C; ++c) {
-      const __m256 v = i < nq ? _mm256_mul_ps(load8(q + 8 * c), scale) : _mm256_setzero_ps();
-      _mm256_storeu_ps(qf + i * D + 8 * c, v);
-      _mm256_storeu_ps(o + i * D + 8 * c, _mm256_setzero_ps());
-    }
-    if (i < nq) ml[2 * i] = -INFINITY, ml[2 * i + 1] = 0.f;
-  }
+  const PrefillItem it = prefill_item_start<E, C>(a, qsl, b, kvh, r0, scratch);
+  const int64_t G = it.G, ctx = it.ctx, r1 = it.r1, nq = it.nq;
+  float *qf = it.qf, *o = it.o, *ml = it.ml, *kt = it.kt, *vf = it.vf;
   const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const int64_t end = ctx + r1;  // the last row's keys: 0 .. end - 1
   for (int64_t j0 = 0; j0 < end; j0 += KB) {
@@ -459,11 +503,7 @@ PAGEDLLM_AVX2_TARGET static void prefill_item_avx2(const DecodeAttnArgs<E>& a, c
       }
     }
   }
-  for (int64_t i = 0; i < nq; ++i) {
-    typename E::T* out = a.out + (qsl[b] + r0 + i / G) * H * D + (kvh * G + i % G) * D;
-    const __m256 inv = _mm256_set1_ps(1.f / ml[2 * i + 1]);
-    for (int c = 0; c < C; ++c) store8(out + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(o + i * D + 8 * c), inv));
-  }
+  prefill_item_finish<E, C>(a, qsl, b, kvh, it);
 }
 
 // ---- the same on AVX-512 (head sizes that are multiples of 16) ----------------------------
@@ -472,21 +512,6 @@ PAGEDLLM_AVX2_TARGET static void prefill_item_avx2(const DecodeAttnArgs<E>& a, c
 // its sums differ from the AVX2 kernel's only in the order of each row's 16-term sum of p.
 
 #define PAGEDLLM_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
-
-PAGEDLLM_AVX512_TARGET static inline __m512 load16(const uint16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-PAGEDLLM_AVX512_TARGET static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-
-// 16 fp32 -> 16 elements at p; bf16 rounded to nearest even (the outputs are finite).
-PAGEDLLM_AVX512_TARGET static inline void store16(uint16_t* p, __m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
-}
-PAGEDLLM_AVX512_TARGET static inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 
 // exp8 on 16 lanes (the same steps).
 PAGEDLLM_AVX512_TARGET static inline __m512 exp16(__m512 x) {
@@ -515,24 +540,9 @@ PAGEDLLM_AVX512_TARGET static void prefill_item_avx512(const DecodeAttnArgs<E>& 
                                                        int64_t kvh, int64_t r0, float* scratch) {
   static_assert(kPrefillKeys == 16, "a key block is one 16-lane vector");
   constexpr int64_t D = 16 * C, KB = kPrefillKeys;
-  const int64_t H = a.num_heads, G = H / a.num_kv_heads;
-  const int64_t qlen = qsl[b + 1] - qsl[b], ctx = a.seq_lens[b] - qlen;
-  const int64_t r1 = std::min(qlen, r0 + kPrefillRows), nq = (r1 - r0) * G;
-  float* qf = scratch;            // [nq + 3][D] scaled queries (3 zero vectors after)
-  float* o = qf + (nq + 3) * D;   // [nq + 3][D] unnormalized outputs
-  float* ml = o + (nq + 3) * D;   // [nq][2] running max, running sum
-  float* kt = ml + 2 * (nq + 3);  // [D][KB] the key block, transposed
-  float* vf = kt + D * KB;        // [KB][D] the value block
-  const __m512 scale = _mm512_set1_ps(a.scale);
-  for (int64_t i = 0; i < nq + 3; ++i) {
-    const typename E::T* q = a.q + (qsl[b] + r0 + i / G) * a.q_stride + (kvh * G + i % G) * D;
-    for (int c = 0; c < C; ++c) {
-      const __m512 v = i < nq ? _mm512_mul_ps(load16(q + 16 * c), scale) : _mm512_setzero_ps();
-      _mm512_storeu_ps(qf + i * D + 16 * c, v);
-      _mm512_storeu_ps(o + i * D + 16 * c, _mm512_setzero_ps());
-    }
-    if (i < nq) ml[2 * i] = -INFINITY, ml[2 * i + 1] = 0.f;
-  }
+  const PrefillItem it = prefill_item_start<E, 2 * C>(a, qsl, b, kvh, r0, scratch);
+  const int64_t G = it.G, ctx = it.ctx, r1 = it.r1, nq = it.nq;
+  float *qf = it.qf, *o = it.o, *ml = it.ml, *kt = it.kt, *vf = it.vf;
   const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512 ninf = _mm512_set1_ps(-INFINITY);
   const int64_t end = ctx + r1;  // the last row's keys: 0 .. end - 1
@@ -599,12 +609,7 @@ PAGEDLLM_AVX512_TARGET static void prefill_item_avx512(const DecodeAttnArgs<E>& 
         for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + (i + u) * D + 16 * c, acc[u][c]);
     }
   }
-  for (int64_t i = 0; i < nq; ++i) {
-    typename E::T* out = a.out + (qsl[b] + r0 + i / G) * H * D + (kvh * G + i % G) * D;
-    const __m512 inv = _mm512_set1_ps(1.f / ml[2 * i + 1]);
-    for (int c = 0; c < C; ++c)
-      store16(out + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(o + i * D + 16 * c), inv));
-  }
+  prefill_item_finish<E, 2 * C>(a, qsl, b, kvh, it);
 }
 
 // Whether prefill_item runs head size D (the Python side asks before choosing it).

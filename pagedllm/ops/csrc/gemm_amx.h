@@ -109,6 +109,16 @@ PAGEDLLM_AMX_TARGET static inline void amx_release() {
   amx_loaded_config() = -1;
 }
 
+// Tile c += tile a . tile b: uint8 x int8 quads (int32 sums) when INT8, else bf16 pairs (fp32
+// sums). A macro: the intrinsics paste the tile numbers into their assembly.
+#define PAGEDLLM_AMX_DOT(c, a, b) \
+  do {                            \
+    if constexpr (INT8)           \
+      _tile_dpbusd(c, a, b);      \
+    else                          \
+      _tile_dpbf16ps(c, a, b);    \
+  } while (0)
+
 // c[rows][64] = x[rows, 0 .. kbytes) * panel over the same inputs, rows <= 32 in two halves
 // (TWO: the second half has rows). In bytes, both kinds are alike: 64 bytes of a row of x
 // (32 bf16 / 64 uint8 inputs) meet 16 k-groups of the panel (16 pairs / quads), 16 rows of
@@ -134,22 +144,12 @@ PAGEDLLM_AMX_TARGET static inline void amx_tile_rows(const char* x, int64_t ldx,
       _tile_loadd(4, x + k, ldx);
       _tile_loadd(6, wk, wstride);
       _tile_loadd(7, wk + 16 * 4, wstride);
-      if (INT8) {
-        _tile_dpbusd(0, 4, 6);
-        _tile_dpbusd(1, 4, 7);
-      } else {
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-      }
+      PAGEDLLM_AMX_DOT(0, 4, 6);
+      PAGEDLLM_AMX_DOT(1, 4, 7);
       if (TWO) {
         _tile_loadd(5, x1 + k, ldx);
-        if (INT8) {
-          _tile_dpbusd(2, 5, 6);
-          _tile_dpbusd(3, 5, 7);
-        } else {
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-        }
+        PAGEDLLM_AMX_DOT(2, 5, 6);
+        PAGEDLLM_AMX_DOT(3, 5, 7);
       }
     }
     char* ch = cb + half * 32 * 4;
@@ -161,6 +161,8 @@ PAGEDLLM_AMX_TARGET static inline void amx_tile_rows(const char* x, int64_t ldx,
     }
   }
 }
+
+#undef PAGEDLLM_AMX_DOT
 
 // Rows [m0, m1) x one panel on tiles, 32 rows at a time, over the first kbytes bytes of each
 // row of x (a multiple of 64); tail(m, rows, c) adds the rest of K for those rows.

@@ -67,7 +67,6 @@ int64_t row_grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::
 
 bool cpu_has_avx512_bf16() { return __builtin_cpu_supports("avx512bf16"); }
 
-
 // The [M, n] output of a projection: `into` (rows with a stride, the caller's buffer) when
 // given, else a new tensor.
 at::Tensor output_rows(at::Tensor* into, int64_t M, int64_t n, const at::TensorOptions& opts) {
@@ -92,6 +91,16 @@ int64_t amx_row_block(int64_t row_bytes, int64_t M, int64_t N) {
   return rows;
 }
 
+// Whether an M-row product runs on AMX tiles.
+bool use_amx(int64_t M) { return M >= kAmxMinRows && amx_usable(); }
+
+// for_gemm_items for the AMX kernels: row blocks sized by amx_row_block (x rows of row_bytes),
+// each thread's tiles released after its last item.
+template <class Acc, class Item>
+void for_amx_items(int64_t M, int64_t N, int64_t row_bytes, Item&& item) {
+  for_gemm_items<Acc>(M, N, item, [] { amx_release(); }, amx_row_block(row_bytes, M, N));
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                   int64_t n, bool out_fp32, at::Tensor* into = nullptr) {
   TORCH_CHECK(cpu_has_avx512_bf16(), "pagedllm::linear needs AVX512-BF16");
@@ -107,10 +116,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   if (M == 0) return out;
   GemmArgs a{bf16_ptr(x), M, K, x.stride(0), bf16_ptr(w), bias ? bf16_ptr(*bias) : nullptr,
              n, out.data_ptr(), out_fp32, out.stride(0)};
-  if (M >= kAmxMinRows && amx_usable()) {
-    for_gemm_items<float>(
-        M, n, [&](int64_t m0, int64_t m1, int64_t p, float* c) { gemm_item_amx(a, m0, m1, p, c); },
-        [] { amx_release(); }, amx_row_block(2 * K, M, n));
+  if (use_amx(M)) {
+    for_amx_items<float>(M, n, 2 * K, [&](int64_t m0, int64_t m1, int64_t p, float* c) {
+      gemm_item_amx(a, m0, m1, p, c);
+    });
   } else {
     for_gemm_items<float>(M, n, [&](int64_t m0, int64_t m1, int64_t p, float* c) {
       gemm_item(a, m0, m1, p, c);
@@ -211,23 +220,20 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
         quantize_row_u8(data<E>(x) + m * x.stride(0), K, K_pad, xq.data_ptr<uint8_t>() + m * K_pad,
                         x_scale.data_ptr<float>() + m, x_zero.data_ptr<int32_t>() + m);
     });
-    if (M >= kAmxMinRows && amx_usable()) {
-      for_gemm_items<int32_t>(
-          M, n,
-          [&](int64_t m0, int64_t m1, int64_t p, int32_t* c) {
-            gemm_int8_sums_amx(a, m0, m1, p, c);
-            int8_epilogue(a, E{}, m0, m1, p, c);
-          },
-          [] { amx_release(); }, amx_row_block(K_pad, M, n));
-      return;
+    if (use_amx(M)) {
+      for_amx_items<int32_t>(M, n, K_pad, [&](int64_t m0, int64_t m1, int64_t p, int32_t* c) {
+        gemm_int8_sums_amx(a, m0, m1, p, c);
+        int8_epilogue(a, E{}, m0, m1, p, c);
+      });
+    } else {
+      for_gemm_items<int32_t>(M, n, [&](int64_t m0, int64_t m1, int64_t p, int32_t* c) {
+        if (vnni)
+          gemm_int8_sums_vnni(a, m0, m1, p, c);
+        else
+          gemm_int8_sums_avx2(a, m0, m1, p, c);
+        int8_epilogue(a, E{}, m0, m1, p, c);
+      });
     }
-    for_gemm_items<int32_t>(M, n, [&](int64_t m0, int64_t m1, int64_t p, int32_t* c) {
-      if (vnni)
-        gemm_int8_sums_vnni(a, m0, m1, p, c);
-      else
-        gemm_int8_sums_avx2(a, m0, m1, p, c);
-      int8_epilogue(a, E{}, m0, m1, p, c);
-    });
   });
   return out;
 }
