@@ -108,6 +108,7 @@ class RequestState:
 
     def __post_init__(self) -> None:
         self.stats = RequestStateStats(arrival_time=self.arrival_time)
+
     kv_transfer_params: dict[str, Any] | None = None
 
 

@@ -18,12 +18,7 @@ def row_ops(x: torch.Tensor):
     """The native ops for the elementwise row kernels on `x` (2-D CPU rows of bf16 or fp32),
     else None: other tensors, no native build, and inside torch.compile (Dynamo cannot trace
     the kernels; Inductor fuses the PyTorch code instead)."""
-    if (
-        x.is_cpu
-        and x.dim() == 2
-        and x.dtype in NATIVE_DTYPES
-        and not torch.compiler.is_compiling()
-    ):
+    if x.is_cpu and x.dim() == 2 and x.dtype in NATIVE_DTYPES and not torch.compiler.is_compiling():
         return cpu_ops()
     return None
 

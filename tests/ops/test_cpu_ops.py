@@ -251,6 +251,13 @@ def test_reshape_and_cache(dtype):
         (8, 1, 80, 16, [5, 64, 1, 300]),
         (9, 3, 64, 16, [129, 2]),  # SmolLM2's heads
         (6, 2, 48, 16, [40, 3]),  # no vector kernel for head size 48: the portable one
+        # AVX512-BF16 kernel: chunks shorter than 16 (block size 8, 24), query heads in
+        # groups (7, 8 a KV head), every head size it takes.
+        (14, 2, 64, 8, [9, 70]),
+        (4, 1, 32, 16, [31, 16, 50]),
+        (6, 2, 96, 24, [100, 7]),
+        (2, 1, 256, 16, [45]),
+        (16, 2, 128, 16, [77]),
     ],
 )
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])

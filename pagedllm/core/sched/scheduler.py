@@ -736,8 +736,7 @@ class Scheduler:
         holders = set(self.kv_cache_manager.req_to_blocks)
         if expected != holders:
             raise AssertionError(
-                f"running / transferring {sorted(expected)} but blocks held by "
-                f"{sorted(holders)}"
+                f"running / transferring {sorted(expected)} but blocks held by {sorted(holders)}"
             )
         if len(running_ids) + len(self.waiting) != len(self.requests):
             raise AssertionError("a request is neither running nor waiting")

@@ -146,5 +146,3 @@ def select_tool_parser(
             raise ValueError(f'"auto" tool choice requires {AUTO_TOOL_CHOICE_FLAGS} to be set')
         return auto_tool_parser
     return None
-
-

@@ -4,9 +4,10 @@
 // work item is one (request, KV head): its G = H / Hkv query heads share every K/V row read.
 // Three passes over the request's context: scores q.k for each token (fp32), softmax, then
 // the weighted sum of V rows. The scores of one item take G * seq_len floats of scratch.
-// Kernels: AVX2 + FMA (any head size that is a multiple of 8; AVX-512 CPUs take it too: a
-// token-by-token AVX-512 kernel with the queries in registers was 1.4-1.7x slower there than
-// this one's block-by-block walk, BENCHMARKS.md), and a portable one for everything else.
+// Kernels: AVX512-BF16 for bf16 caches (head sizes 32, 64, 96, 128, 256; at the end of this
+// file), AVX2 + FMA (any head size that is a multiple of 8; AVX-512 CPUs without BF16 take it
+// too: a token-by-token AVX-512 kernel with the queries in registers was 1.4-1.7x slower there
+// than this one's block-by-block walk, BENCHMARKS.md), and a portable one for everything else.
 #pragma once
 
 #include <immintrin.h>
@@ -284,8 +285,16 @@ static bool decode_item_avx2_dispatch(const DecodeAttnArgs<E>& a, int64_t b, int
 
 // One (request b, KV head kvh) item. scratch: >= G * (seq_len + 2 * D + 1) + (block_size + 1) * D
 // floats.
+static bool decode_item_bf16_dispatch(const DecodeAttnArgs<Bf16>& a, int64_t b, int64_t kvh,
+                                      float* scratch);
+
 template <class E>
 static void decode_item(const DecodeAttnArgs<E>& a, int64_t b, int64_t kvh, float* scratch) {
+  if constexpr (std::is_same_v<E, Bf16>) {
+    static const bool bf16 = __builtin_cpu_supports("avx512bf16") &&
+                             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
+    if (bf16 && decode_item_bf16_dispatch(a, b, kvh, scratch)) return;
+  }
   static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (avx2 && decode_item_avx2_dispatch(a, b, kvh, scratch)) return;
   const int64_t D = a.head_size, G = a.num_heads / a.num_kv_heads;
@@ -634,6 +643,228 @@ static void prefill_item(const DecodeAttnArgs<E>& a, const int64_t* qsl, int64_t
     case 80: return prefill_item_avx2<E, 10>(a, qsl, b, kvh, r0, scratch);
     case 96: return prefill_item_avx2<E, 12>(a, qsl, b, kvh, r0, scratch);
     default: return prefill_item_avx2<E, 16>(a, qsl, b, kvh, r0, scratch);
+  }
+}
+
+// ---- decode on AVX512-BF16 (bf16 caches, head sizes that are multiples of 32) ------------
+// The same three passes as decode_item_avx2, a chunk of up to 16 tokens (within one cache
+// block) at a time, with no widened copies of K or V:
+// - scores: q . k with vdpbf16ps on the bf16 rows as stored (bf16 x bf16 products are exact
+//   in fp32; the scale is applied to the sum). The chunk's rows are half transposed (two
+//   unpack steps: each 128-bit lane then holds one column of four rows) and multiplied by
+//   the query's columns spread the same way; a 4 x 4 lane reduction per query head at the
+//   end of the chunk gives its 16 scores in one vector.
+// - softmax on 16 lanes.
+// - P V in fp32: each V row is widened by two unpacks against zero (bf16 -> fp32 is a 16-bit
+//   shift), which permutes the columns within 128-bit lanes; the accumulators keep that
+//   order and are put back in place once, at the store.
+// Registers hold the output of up to 16 / (D / 16) query heads at a time.
+
+// One chunk's K or V rows: n valid rows from src (stride elements apart); rows past n repeat
+// the last valid one (their lanes are computed and never stored).
+struct DecodeChunk {
+  const uint16_t* src;
+  int64_t stride, n;
+  inline const uint16_t* row(int64_t t) const { return src + std::min(t, n - 1) * stride; }
+};
+
+// The chunks of one request's context (KV head kvh, keys or values) in order: a chunk is up to
+// 16 tokens within one cache block. next() also prefetches the chunk after the one it returns.
+struct DecodeChunks {
+  const uint16_t* base;
+  const int32_t* table;
+  int64_t bs, stride, L, row_bytes;
+  DecodeChunk ahead;
+
+  DecodeChunks(const DecodeAttnArgs<Bf16>& a, int64_t b, int64_t kvh, bool value)
+      : base(a.kv + (value ? a.num_blocks * a.block_size * a.num_kv_heads * a.head_size : 0) +
+             kvh * a.head_size),
+        table(a.block_table + b * a.bt_stride), bs(a.block_size),
+        stride(a.num_kv_heads * a.head_size), L(a.seq_lens[b]),
+        row_bytes(a.head_size * 2), ahead(at(0)) {}
+
+  inline DecodeChunk at(int64_t j) const {
+    const int64_t off = j % bs;
+    return {base + (table[j / bs] * bs + off) * stride, stride,
+            std::min({int64_t(16), bs - off, L - j})};
+  }
+  // The chunk starting at token j (j < L; the previous call's chunk ended there).
+  inline DecodeChunk next(int64_t j) {
+    const DecodeChunk cur = ahead;
+    if (j + cur.n < L) {
+      ahead = at(j + cur.n);
+      for (int64_t t = 0; t < ahead.n; ++t)
+        for (int64_t off = 0; off < row_bytes; off += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(ahead.src + t * stride) + off, _MM_HINT_T0);
+    }
+    return cur;
+  }
+};
+
+// scores[g][0..n) for NG query heads of one chunk. qp: per head g, column block h (32 bf16
+// of D), m = 0..3: the query's bf16 pairs 4l + m of that block spread over lane l.
+template <int C2, int NG>
+PAGEDLLM_BF16_TARGET static inline void decode_chunk_scores(const DecodeChunk& k,
+                                                             const float* qp, float* scores,
+                                                             int64_t L, float scale) {
+  __m512 acc[NG][4];
+  for (int g = 0; g < NG; ++g)
+    for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_setzero_ps();
+  for (int h = 0; h < C2; ++h)
+    for (int i = 0; i < 4; ++i) {
+      const __m512i r0 = _mm512_loadu_si512(k.row(4 * i) + 32 * h);
+      const __m512i r1 = _mm512_loadu_si512(k.row(4 * i + 1) + 32 * h);
+      const __m512i r2 = _mm512_loadu_si512(k.row(4 * i + 2) + 32 * h);
+      const __m512i r3 = _mm512_loadu_si512(k.row(4 * i + 3) + 32 * h);
+      const __m512i t0 = _mm512_unpacklo_epi32(r0, r1), t1 = _mm512_unpackhi_epi32(r0, r1);
+      const __m512i t2 = _mm512_unpacklo_epi32(r2, r3), t3 = _mm512_unpackhi_epi32(r2, r3);
+      // u[m], lane l: pair column 4 l + m of rows 4 i .. 4 i + 3.
+      const __m512i u[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
+                            _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+      for (int g = 0; g < NG; ++g)
+        for (int m = 0; m < 4; ++m)
+          acc[g][i] = _mm512_dpbf16_ps(
+              acc[g][i], (__m512bh)u[m],
+              (__m512bh)_mm512_loadu_si512(qp + ((g * C2 + h) * 4 + m) * 16));
+    }
+  const __mmask16 keep = static_cast<__mmask16>((1u << k.n) - 1);
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int g = 0; g < NG; ++g) {
+    // acc[g][i] lane (l, j): row 4 i + j, summed over columns 4 l .. 4 l + 3; sum over l.
+    const __m512 z01 = _mm512_add_ps(_mm512_shuffle_f32x4(acc[g][0], acc[g][1], 0x44),
+                                     _mm512_shuffle_f32x4(acc[g][0], acc[g][1], 0xEE));
+    const __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(acc[g][2], acc[g][3], 0x44),
+                                     _mm512_shuffle_f32x4(acc[g][2], acc[g][3], 0xEE));
+    const __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, 0x88),
+                                   _mm512_shuffle_f32x4(z01, z23, 0xDD));
+    _mm512_mask_storeu_ps(scores + g * L, keep, _mm512_mul_ps(s, sc));
+  }
+}
+
+// out[g] = sum_t p[g][t] v_t / sum for NG query heads (p: softmax numerators, inv: 1 / sums).
+template <int C2, int NG>
+PAGEDLLM_BF16_TARGET static inline void decode_values_bf16(DecodeChunks chunks, const float* p,
+                                                           int64_t L, const float* inv,
+                                                           uint16_t* out) {
+  constexpr int64_t D = 32 * C2;
+  __m512 o[NG][2 * C2];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < 2 * C2; ++c) o[g][c] = _mm512_setzero_ps();
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t j = 0; j < L;) {
+    const DecodeChunk v = chunks.next(j);
+    for (int64_t t = 0; t < v.n; ++t) {
+      __m512 w[NG];
+      for (int g = 0; g < NG; ++g) w[g] = _mm512_set1_ps(p[g * L + j + t]);
+      for (int h = 0; h < C2; ++h) {
+        const __m512i x = _mm512_loadu_si512(v.src + t * v.stride + 32 * h);
+        const __m512 lo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, x));
+        const __m512 hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, x));
+        for (int g = 0; g < NG; ++g) {
+          o[g][2 * h] = _mm512_fmadd_ps(w[g], lo, o[g][2 * h]);
+          o[g][2 * h + 1] = _mm512_fmadd_ps(w[g], hi, o[g][2 * h + 1]);
+        }
+      }
+    }
+    j += v.n;
+  }
+  // lo lane l holds columns 8 l .. 8 l + 3 of its 32, hi 8 l + 4 .. 8 l + 7.
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+  for (int g = 0; g < NG; ++g) {
+    const __m512 s = _mm512_set1_ps(inv[g]);
+    for (int h = 0; h < C2; ++h) {
+      const __m512 lo = _mm512_mul_ps(o[g][2 * h], s), hi = _mm512_mul_ps(o[g][2 * h + 1], s);
+      uint16_t* dst = out + g * D + 32 * h;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, first, hi)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, second, hi)));
+    }
+  }
+}
+
+// softmax_rows_avx2 on 16 lanes.
+PAGEDLLM_BF16_TARGET static void softmax_rows_avx512(float* scores, int64_t G, int64_t L,
+                                                     float* inv) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * L;
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < L; t += 16) {
+      const __mmask16 k = static_cast<__mmask16>((1u << std::min<int64_t>(16, L - t)) - 1);
+      mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, sg + t));
+    }
+    const __m512 mb = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+    __m512 sv = _mm512_setzero_ps();
+    for (int64_t t = 0; t < L; t += 16) {
+      const __mmask16 k = static_cast<__mmask16>((1u << std::min<int64_t>(16, L - t)) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + t), mb)));
+      _mm512_mask_storeu_ps(sg + t, k, e);
+      sv = _mm512_add_ps(sv, e);
+    }
+    inv[g] = 1.f / _mm512_reduce_add_ps(sv);
+  }
+}
+
+template <int C2>
+PAGEDLLM_BF16_TARGET static void decode_item_bf16(const DecodeAttnArgs<Bf16>& a, int64_t b,
+                                                  int64_t kvh, float* scratch) {
+  constexpr int64_t D = 32 * C2;
+  constexpr int kScoreHeads = 4, kValueHeads = C2 >= 8 ? 1 : (C2 >= 3 ? 2 : 4);
+  const int64_t L = a.seq_lens[b], G = a.num_heads / a.num_kv_heads;
+  float* scores = scratch;       // [G][L]
+  float* qp = scores + G * L;    // [G][C2][4][16]
+  float* inv = qp + G * D * 2;   // [G]
+  const uint16_t* q = a.q + b * a.q_stride + kvh * G * D;
+  for (int64_t g = 0; g < G; ++g)
+    for (int h = 0; h < C2; ++h) {
+      const __m512i qh = _mm512_loadu_si512(q + g * D + 32 * h);
+      for (int m = 0; m < 4; ++m) {
+        const __m512i idx = _mm512_setr_epi32(m, m, m, m, 4 + m, 4 + m, 4 + m, 4 + m, 8 + m, 8 + m,
+                                              8 + m, 8 + m, 12 + m, 12 + m, 12 + m, 12 + m);
+        _mm512_storeu_si512(qp + ((g * C2 + h) * 4 + m) * 16, _mm512_permutexvar_epi32(idx, qh));
+      }
+    }
+  for (int64_t g0 = 0; g0 < G; g0 += kScoreHeads) {
+    const int64_t ng = std::min<int64_t>(kScoreHeads, G - g0);
+    const float* qg = qp + g0 * D * 2;
+    float* sg = scores + g0 * L;
+    DecodeChunks chunks(a, b, kvh, false);
+    for (int64_t j = 0; j < L;) {
+      const DecodeChunk k = chunks.next(j);
+      switch (ng) {
+        case 1: decode_chunk_scores<C2, 1>(k, qg, sg + j, L, a.scale); break;
+        case 2: decode_chunk_scores<C2, 2>(k, qg, sg + j, L, a.scale); break;
+        case 3: decode_chunk_scores<C2, 3>(k, qg, sg + j, L, a.scale); break;
+        default: decode_chunk_scores<C2, 4>(k, qg, sg + j, L, a.scale); break;
+      }
+      j += k.n;
+    }
+  }
+  softmax_rows_avx512(scores, G, L, inv);
+  uint16_t* out = a.out + (b * a.num_heads + kvh * G) * D;
+  const DecodeChunks values(a, b, kvh, true);
+  for (int64_t g0 = 0; g0 < G; g0 += kValueHeads) {
+    const float* p = scores + g0 * L;
+    uint16_t* o = out + g0 * D;
+    switch (std::min<int64_t>(kValueHeads, G - g0)) {
+      case 1: decode_values_bf16<C2, 1>(values, p, L, inv + g0, o); break;
+      case 2: decode_values_bf16<C2, 2>(values, p, L, inv + g0, o); break;
+      case 3: decode_values_bf16<C2, 3>(values, p, L, inv + g0, o); break;
+      default: decode_values_bf16<C2, kValueHeads>(values, p, L, inv + g0, o); break;
+    }
+  }
+}
+
+static bool decode_item_bf16_dispatch(const DecodeAttnArgs<Bf16>& a, int64_t b, int64_t kvh,
+                                      float* scratch) {
+  switch (a.head_size) {
+    case 32: decode_item_bf16<1>(a, b, kvh, scratch); return true;
+    case 64: decode_item_bf16<2>(a, b, kvh, scratch); return true;
+    case 96: decode_item_bf16<3>(a, b, kvh, scratch); return true;
+    case 128: decode_item_bf16<4>(a, b, kvh, scratch); return true;
+    case 256: decode_item_bf16<8>(a, b, kvh, scratch); return true;
+    default: return false;
   }
 }
 

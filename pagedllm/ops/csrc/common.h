@@ -94,4 +94,8 @@ PAGEDLLM_AVX2_TARGET static inline void store8(uint16_t* p, __m256 v) {  // roun
 }
 PAGEDLLM_AVX2_TARGET static inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 
+// AVX-512 with the bf16 pair dot product (vdpbf16ps): the bf16 GEMMs and decode attention.
+#define PAGEDLLM_BF16_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")))
+
 }  // namespace pagedllm

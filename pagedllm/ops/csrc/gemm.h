@@ -25,9 +25,6 @@
 
 #include "common.h"
 
-#define PAGEDLLM_BF16_TARGET \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
-
 namespace pagedllm {
 
 constexpr int64_t kPanel = 64;      // output channels per panel
