@@ -304,6 +304,7 @@ def reference_prefill(q, kv_cache, block_table, seq_lens, qsl, reqs, scale):
         (4, 4, 128, 32, [(40, 33)]),
         (8, 1, 80, 16, [(0, 64), (3, 5)]),
         (4, 2, 32, 16, [(0, 20), (60, 20)]),
+        (16, 2, 128, 8, [(0, 90), (200, 37), (7, 16)]),  # AMX: 8 query heads a KV head
     ],
 )
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])

@@ -319,6 +319,7 @@ static void decode_item(const DecodeAttnArgs<E>& a, int64_t b, int64_t kvh, floa
 }
 
 // ---- multi-token queries (prefills, chunked prefills, prefix-cache hits), AVX2 ---------
+// (bf16 caches on AMX CPUs take attention_amx.h's kernel instead, head sizes 64 and 128.)
 //
 // Every query row attends to keys 0 .. its position, read from the paged cache (the step's
 // K/V rows are written first). Work item: (request, KV head, up to kPrefillRows query rows),

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "attention_amx.h"
 #include "elementwise.h"
 #include "gemm.h"
 #include "gemm_amx.h"
@@ -420,6 +421,14 @@ void paged_prefill_attention(const at::Tensor& q, at::Tensor& out, const at::Ten
                         static_cast<float>(scale)};
     std::atomic<int64_t> next{0};
     at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), total), 1, [&](int64_t, int64_t) {
+      if constexpr (std::is_same_v<E, Bf16>) {
+        if (prefill_amx_applies<E>(D)) {
+          for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < total;)
+            prefill_item_amx(a, qsl, items[3 * i], items[3 * i + 2], items[3 * i + 1]);
+          amx_release();
+          return;
+        }
+      }
       std::vector<float> buf(prefill_scratch(H / Hkv, D));
       for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < total;)
         prefill_item(a, qsl, items[3 * i], items[3 * i + 2], items[3 * i + 1], buf.data());
