@@ -382,12 +382,44 @@ def _project(x: torch.Tensor, p: tuple) -> torch.Tensor:
 
 @needs_avx2
 @pytest.mark.parametrize("kind", ["avx2", "int8", "bf16"])
-@pytest.mark.parametrize("rows", [7, 1100])
+@pytest.mark.parametrize("rows", [7, 600])
+def test_attention_in_is_the_separate_ops(kind, rows):
+    """The fused op runs the (residual add +) RMSNorm, the QKV projection and RoPE exactly as
+    the separate ops do: the same bits, and the same residual stream left behind."""
+    if kind == "bf16" and not ops.cpu_has_avx512_bf16():
+        pytest.skip("no AVX512-BF16 on this CPU")
+    g = torch.Generator().manual_seed(rows)
+    dtype, hidden, heads, kv_heads, d = BF16, 128, 4, 2, 32
+    q_size, kv_size = heads * d, kv_heads * d
+    qkv_p = _projection(kind, q_size + 2 * kv_size, hidden, g, dtype)
+    rope = get_rope(d, d, 4096, 10000.0)
+    positions = torch.randint(0, 4096, (rows,), generator=g)
+    x = torch.randn(rows, hidden, generator=g).to(dtype)
+    norm = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
+    for residual in (None, torch.randn(rows, hidden, generator=g).to(dtype)):
+        res_ref = None if residual is None else residual.clone()
+        if residual is None:
+            h = ops.rms_norm(x, norm, 1e-5)
+        else:
+            h = ops.fused_add_rms_norm(x, res_ref, norm, 1e-5)
+        ref = _project(h, qkv_p)
+        q, k = ref[:, :q_size], ref[:, q_size : q_size + kv_size]
+        ops.rotary_embedding(positions, q, k, rope.cos_sin_cache, d, d)
+        out = ops.attention_in(
+            x, residual, norm, 1e-5, *qkv_p, q_size, kv_size, positions, rope.cos_sin_cache, d, d
+        )
+        assert torch.equal(out, ref)
+        assert residual is None or torch.equal(residual, res_ref)
+
+
+@needs_avx2
+@pytest.mark.parametrize("kind", ["avx2", "int8", "bf16"])
+@pytest.mark.parametrize("rows", [7, 1025, 1100])
 def test_attention_out_mlp_is_the_separate_ops(kind, rows):
     """The fused op runs o_proj, the residual add + RMSNorm, gate/up, SiLU x mul and down
     exactly as the separate ops do, a prefill's MLP in row chunks (1100 rows: three, the down
-    projection writing straight into the output's rows) included: the same bits, and the same
-    residual stream left behind."""
+    projection writing straight into the output's rows; 1025: two, the one-row remainder
+    joined to the last) included: the same bits, and the same residual stream left behind."""
     if kind == "bf16" and not ops.cpu_has_avx512_bf16():
         pytest.skip("no AVX512-BF16 on this CPU")
     g = torch.Generator().manual_seed(rows)

@@ -456,6 +456,24 @@ at::Tensor project(const at::Tensor& x, int64_t kind, const at::Tensor& w,
   TORCH_CHECK(false, "unknown projection kind ", kind);
 }
 
+// Rows per chunk of a prefill's MLP (attention_out_mlp). Every kernel computes a row on its
+// own, so chunking changes no bits.
+int64_t prefill_chunk_rows() { return std::max<int64_t>(512, 2 * kRowBlock * at::get_num_threads()); }
+
+// f(first row, rows) over [0, T) in prefill_chunk_rows() chunks; a last chunk of a single row
+// joins the one before (a one-row product takes the one-row GEMM kernel, another rounding
+// than the same row among others).
+template <class F>
+void for_row_chunks(int64_t T, F&& f) {
+  const int64_t chunk = prefill_chunk_rows();
+  for (int64_t t = 0; t < T;) {
+    int64_t rows = std::min(chunk, T - t);
+    if (T - t - rows == 1) ++rows;
+    f(t, rows);
+    t += rows;
+  }
+}
+
 // qkv = qkv_proj(rms_norm(x + residual)) with RoPE applied to its q and k columns in place;
 // residual (when given) becomes x + residual, as fused_add_rms_norm leaves it.
 at::Tensor attention_in(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
@@ -493,14 +511,15 @@ at::Tensor attention_out_mlp(
   };
   // A prefill's MLP in row chunks: its [T, 2 * I] intermediate and the widened activations
   // stay a few MB (in cache, reused by the allocator) instead of tens of MB mapped and
-  // faulted in afresh each layer. Every kernel computes a row on its own: same bits.
-  const int64_t T = h.size(0), chunk = std::max<int64_t>(512, 2 * kRowBlock * at::get_num_threads());
-  if (T <= chunk) return mlp(h, nullptr);
+  // faulted in afresh each layer. (The whole tail in chunks, o_proj and the norm included,
+  // was not faster: 4 alternated runs of a 128-prompt prefill.)
+  const int64_t T = h.size(0);
+  if (T <= prefill_chunk_rows()) return mlp(h, nullptr);
   at::Tensor out = at::empty({T, down_n}, h.options());
-  for (int64_t t = 0; t < T; t += chunk) {
-    at::Tensor rows = out.narrow(0, t, std::min(chunk, T - t));
-    mlp(h.narrow(0, t, rows.size(0)), &rows);  // the down projection writes out's rows
-  }
+  for_row_chunks(T, [&](int64_t t, int64_t rows) {
+    at::Tensor part = out.narrow(0, t, rows);
+    mlp(h.narrow(0, t, rows), &part);  // the down projection writes out's rows
+  });
   return out;
 }
 
