@@ -1,6 +1,7 @@
 // Prefill attention (attention.h's multi-token queries) on AMX tiles: bf16 caches, head sizes
-// 64 and 128, CPUs with AMX. The same work items (request, up to kPrefillRows query rows, KV
-// head) and the same result up to rounding; per item:
+// 64 and 128, CPUs with AMX. Work items of up to kPrefillAmxRows query rows of a request and
+// one KV head (16 rows at a time through the tiles); the same result as the vector kernels
+// up to rounding. Per item:
 //
 // 1. The keys the item's rows see, once for all of its query heads: each 16-key block's K
 //    rows transposed to 16 x 16 bf16 pairs per 32 head dimensions (a B tile: 16 k-pairs x 16
@@ -85,7 +86,12 @@ PAGEDLLM_AMX_TARGET static inline void transpose16_epi32(__m512i r[16]) {
   }
 }
 
-// Rows [r0, r0 + kPrefillRows) of request b, KV head kvh; head size D = 32 C2 (C2 = 2 or 4).
+// Query rows per work item of the AMX kernel: its key tiles, built once, serve all of them
+// (16 at a time through the tiles), so a long prompt rebuilds them a quarter as often as with
+// kPrefillRows-row items.
+constexpr int64_t kPrefillAmxRows = 64;
+
+// Rows [r0, r0 + kPrefillAmxRows) of request b, KV head kvh; head size D = 32 C2 (C2 = 2, 4).
 template <int C2>
 PAGEDLLM_AMX_TARGET static void prefill_item_amx_t(const DecodeAttnArgs<Bf16>& a,
                                                    const int64_t* qsl, int64_t b, int64_t kvh,
@@ -93,8 +99,8 @@ PAGEDLLM_AMX_TARGET static void prefill_item_amx_t(const DecodeAttnArgs<Bf16>& a
   static_assert(C2 % 2 == 0, "O goes 64 columns at a time");
   constexpr int64_t D = 32 * C2, KB = 16;
   const int64_t G = a.num_heads / a.num_kv_heads, qlen = qsl[b + 1] - qsl[b];
-  const int64_t ctx = a.seq_lens[b] - qlen, r1 = std::min(qlen, r0 + kPrefillRows);
-  const int64_t nr = r1 - r0, end = ctx + r1, nblk = (end + KB - 1) / KB, Lp = nblk * KB;
+  const int64_t ctx = a.seq_lens[b] - qlen, r1 = std::min(qlen, r0 + kPrefillAmxRows);
+  const int64_t end = ctx + r1, nblk = (end + KB - 1) / KB, Lp = nblk * KB;
   // Scratch (floats): K^T tiles [nblk][C2][16 x 16 dwords], V tiles [nblk][2 C2][8 x 16
   // dwords], Q [16][D / 2], S [16][Lp], P [16][Lp / 2], O [16][64], row sums [16].
   const int64_t kt_n = nblk * C2 * 256, vt_n = nblk * 2 * C2 * 128;
@@ -133,75 +139,78 @@ PAGEDLLM_AMX_TARGET static void prefill_item_amx_t(const DecodeAttnArgs<Bf16>& a
   const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
-  for (int64_t g = 0; g < G; ++g) {
-    const int64_t head = kvh * G + g;
-    for (int64_t i = 0; i < 16; ++i)
-      for (int c = 0; c < C2; ++c)
-        _mm512_storeu_si512(qb + i * D + 32 * c,
-                            i < nr ? _mm512_loadu_si512(a.q + (qsl[b] + r0 + i) * a.q_stride +
-                                                        head * D + 32 * c)
-                                   : _mm512_setzero_si512());
-    for (int64_t j = 0; j < nblk; ++j) {  // S = Q K^T
-      _tile_zero(0);
-      for (int c = 0; c < C2; ++c) {
-        _tile_loadd(4, qb + 32 * c, D * 2);
-        _tile_loadd(5, kt + (j * C2 + c) * 256, 64);
-        _tile_dpbf16ps(0, 4, 5);
+  for (int64_t s0 = r0; s0 < r1; s0 += 16) {  // 16 rows at a time, keys up to the last one's
+    const int64_t nr = std::min<int64_t>(16, r1 - s0), sblk = (ctx + s0 + nr + KB - 1) / KB;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t head = kvh * G + g;
+      for (int64_t i = 0; i < 16; ++i)
+        for (int c = 0; c < C2; ++c)
+          _mm512_storeu_si512(qb + i * D + 32 * c,
+                              i < nr ? _mm512_loadu_si512(a.q + (qsl[b] + s0 + i) * a.q_stride +
+                                                          head * D + 32 * c)
+                                     : _mm512_setzero_si512());
+      for (int64_t j = 0; j < sblk; ++j) {  // S = Q K^T
+        _tile_zero(0);
+        for (int c = 0; c < C2; ++c) {
+          _tile_loadd(4, qb + 32 * c, D * 2);
+          _tile_loadd(5, kt + (j * C2 + c) * 256, 64);
+          _tile_dpbf16ps(0, 4, 5);
+        }
+        _tile_stored(0, s + j * KB, Lp * 4);
       }
-      _tile_stored(0, s + j * KB, Lp * 4);
-    }
-    for (int64_t i = 0; i < 16; ++i) {  // P: exact softmax of each row's keys, in bf16
-      float* si = s + i * Lp;
-      uint16_t* pi = p + i * Lp;
-      const int64_t seen = i < nr ? ctx + r0 + i + 1 : 0;
-      __m512 mv = ninf;
-      for (int64_t t = 0; t < seen; t += KB) {
-        const __mmask16 k = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(int(seen - t)), iota);
-        mv = _mm512_max_ps(mv, _mm512_mask_mul_ps(ninf, k, _mm512_loadu_ps(si + t), scale));
+      for (int64_t i = 0; i < 16; ++i) {  // P: exact softmax of each row's keys, in bf16
+        float* si = s + i * Lp;
+        uint16_t* pi = p + i * Lp;
+        const int64_t seen = i < nr ? ctx + s0 + i + 1 : 0;
+        __m512 mv = ninf;
+        for (int64_t t = 0; t < seen; t += KB) {
+          const __mmask16 k = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(int(seen - t)), iota);
+          mv = _mm512_max_ps(mv, _mm512_mask_mul_ps(ninf, k, _mm512_loadu_ps(si + t), scale));
+        }
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < sblk * KB; t += KB) {
+          const __mmask16 k = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(int(seen - t)), iota);
+          const __m512 e = _mm512_maskz_mov_ps(
+              k, exp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(si + t), scale), m)));
+          const __m256bh eb = _mm512_cvtneps_pbh(e);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pi + t), (__m256i)eb);
+          sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(eb));
+        }
+        sums[i] = seen ? 1.f / _mm512_reduce_add_ps(sum) : 0.f;
       }
-      const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
-      __m512 sum = _mm512_setzero_ps();
-      for (int64_t t = 0; t < Lp; t += KB) {
-        const __mmask16 k = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(int(seen - t)), iota);
-        const __m512 e = _mm512_maskz_mov_ps(
-            k, exp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(si + t), scale), m)));
-        const __m256bh eb = _mm512_cvtneps_pbh(e);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pi + t), (__m256i)eb);
-        sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(eb));
-      }
-      sums[i] = seen ? 1.f / _mm512_reduce_add_ps(sum) : 0.f;
-    }
-    for (int dg = 0; dg < C2 / 2; ++dg) {  // O = P V, 64 columns at a time
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t j = 0; j < nblk; ++j) {
-        const float* vj = vt + (j * 2 * C2 + 4 * dg) * 128;
-        _tile_loadd(6, p + j * KB, Lp * 2);
-        _tile_loadd(7, vj, 64);
-        _tile_dpbf16ps(0, 6, 7);
-        _tile_loadd(7, vj + 128, 64);
-        _tile_dpbf16ps(1, 6, 7);
-        _tile_loadd(7, vj + 256, 64);
-        _tile_dpbf16ps(2, 6, 7);
-        _tile_loadd(7, vj + 384, 64);
-        _tile_dpbf16ps(3, 6, 7);
-      }
-      _tile_stored(0, ob, 256);
-      _tile_stored(1, ob + 16, 256);
-      _tile_stored(2, ob + 32, 256);
-      _tile_stored(3, ob + 48, 256);
-      for (int64_t i = 0; i < nr; ++i) {
-        uint16_t* out = a.out + (qsl[b] + r0 + i) * a.num_heads * D + head * D + 64 * dg;
-        const __m512 inv = _mm512_set1_ps(sums[i]);
-        for (int h = 0; h < 2; ++h) {  // tiles 2 h (lo) and 2 h + 1 (hi): columns 32 h ..
-          const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(ob + i * 64 + 32 * h), inv);
-          const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(ob + i * 64 + 32 * h + 16), inv);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * h),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, first, hi)));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * h + 16),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, second, hi)));
+      for (int dg = 0; dg < C2 / 2; ++dg) {  // O = P V, 64 columns at a time
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t j = 0; j < sblk; ++j) {
+          const float* vj = vt + (j * 2 * C2 + 4 * dg) * 128;
+          _tile_loadd(6, p + j * KB, Lp * 2);
+          _tile_loadd(7, vj, 64);
+          _tile_dpbf16ps(0, 6, 7);
+          _tile_loadd(7, vj + 128, 64);
+          _tile_dpbf16ps(1, 6, 7);
+          _tile_loadd(7, vj + 256, 64);
+          _tile_dpbf16ps(2, 6, 7);
+          _tile_loadd(7, vj + 384, 64);
+          _tile_dpbf16ps(3, 6, 7);
+        }
+        _tile_stored(0, ob, 256);
+        _tile_stored(1, ob + 16, 256);
+        _tile_stored(2, ob + 32, 256);
+        _tile_stored(3, ob + 48, 256);
+        for (int64_t i = 0; i < nr; ++i) {
+          uint16_t* out = a.out + (qsl[b] + s0 + i) * a.num_heads * D + head * D + 64 * dg;
+          const __m512 inv = _mm512_set1_ps(sums[i]);
+          for (int h = 0; h < 2; ++h) {  // tiles 2 h (lo) and 2 h + 1 (hi): columns 32 h ..
+            const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(ob + i * 64 + 32 * h), inv);
+            const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(ob + i * 64 + 32 * h + 16), inv);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * h),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, first, hi)));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * h + 16),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, second, hi)));
+          }
         }
       }
     }

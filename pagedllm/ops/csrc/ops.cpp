@@ -401,6 +401,9 @@ void paged_prefill_attention(const at::Tensor& q, at::Tensor& out, const at::Ten
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t* rp = reqs.data_ptr<int64_t>();
+  // Rows per item: the AMX kernel's (bf16) or the vector kernels'.
+  const int64_t item_rows =
+      q.scalar_type() == at::kBFloat16 && prefill_amx_applies<Bf16>(D) ? kPrefillAmxRows : kPrefillRows;
   std::vector<int64_t> items;  // request, row block, KV head
   for (int64_t i = 0; i < reqs.numel(); ++i) {
     const int64_t r = rp[i];
@@ -409,7 +412,7 @@ void paged_prefill_attention(const at::Tensor& q, at::Tensor& out, const at::Ten
     TORCH_CHECK(qsl[r] >= 0 && qsl[r + 1] <= q.size(0) && qlen >= 0 && qlen <= lens[r] &&
                     (lens[r] + kv_cache.size(2) - 1) / kv_cache.size(2) <= block_table.size(1),
                 "request ", r, ": query rows / seq_len / block table disagree");
-    for (int64_t r0 = 0; r0 < qlen; r0 += kPrefillRows)
+    for (int64_t r0 = 0; r0 < qlen; r0 += item_rows)
       for (int64_t h = 0; h < Hkv; ++h) items.insert(items.end(), {r, r0, h});
   }
   const int64_t total = static_cast<int64_t>(items.size()) / 3;
