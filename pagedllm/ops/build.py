@@ -51,8 +51,12 @@ def kernels_enabled() -> bool:
 
 
 def build_dir() -> Path:
-    """Where this exact build lives: keyed by sources, flags, torch and Python versions."""
+    """Where this exact build lives: keyed by sources, flags, torch and Python versions, and
+    where the sources are (PyTorch's extension loader writes their absolute paths into its
+    ninja file, so two checkouts of the same sources sharing one directory rebuilt it each
+    time the other had built it: a ~20 s start-up)."""
     digest = hashlib.sha256()
+    digest.update(str(CSRC.resolve()).encode())
     for path in sorted(CSRC.iterdir()):
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
