@@ -742,6 +742,21 @@ PAGEDLLM_BF16_TARGET static inline void decode_chunk_scores(const DecodeChunk& k
   }
 }
 
+// 32 columns of fp32 accumulators kept in unpack order (lo = unpacklo_epi16 of a 32-bf16 row
+// slice, lane l columns 8 l .. 8 l + 3; hi = unpackhi_epi16, 8 l + 4 .. 8 l + 7), times inv,
+// stored as bf16 in natural order at dst[0..32).
+PAGEDLLM_BF16_TARGET static inline void store_unpacked_bf16(uint16_t* dst, __m512 lo, __m512 hi,
+                                                             __m512 inv) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+  lo = _mm512_mul_ps(lo, inv);
+  hi = _mm512_mul_ps(hi, inv);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                      (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, first, hi)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16),
+                      (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, second, hi)));
+}
+
 // out[g] = sum_t p[g][t] v_t / sum for NG query heads (p: softmax numerators, inv: 1 / sums).
 template <int C2, int NG>
 PAGEDLLM_BF16_TARGET static inline void decode_values_bf16(DecodeChunks chunks, const float* p,
@@ -769,20 +784,10 @@ PAGEDLLM_BF16_TARGET static inline void decode_values_bf16(DecodeChunks chunks, 
     }
     j += v.n;
   }
-  // lo lane l holds columns 8 l .. 8 l + 3 of its 32, hi 8 l + 4 .. 8 l + 7.
-  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
-  for (int g = 0; g < NG; ++g) {
-    const __m512 s = _mm512_set1_ps(inv[g]);
-    for (int h = 0; h < C2; ++h) {
-      const __m512 lo = _mm512_mul_ps(o[g][2 * h], s), hi = _mm512_mul_ps(o[g][2 * h + 1], s);
-      uint16_t* dst = out + g * D + 32 * h;
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, first, hi)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, second, hi)));
-    }
-  }
+  for (int g = 0; g < NG; ++g)
+    for (int h = 0; h < C2; ++h)
+      store_unpacked_bf16(out + g * D + 32 * h, o[g][2 * h], o[g][2 * h + 1],
+                          _mm512_set1_ps(inv[g]));
 }
 
 // softmax_rows_avx2 on 16 lanes.
@@ -848,10 +853,11 @@ PAGEDLLM_BF16_TARGET static void decode_item_bf16(const DecodeAttnArgs<Bf16>& a,
   for (int64_t g0 = 0; g0 < G; g0 += kValueHeads) {
     const float* p = scores + g0 * L;
     uint16_t* o = out + g0 * D;
+    // (No group is larger than kValueHeads: the cases above it are never taken.)
     switch (std::min<int64_t>(kValueHeads, G - g0)) {
       case 1: decode_values_bf16<C2, 1>(values, p, L, inv + g0, o); break;
-      case 2: decode_values_bf16<C2, 2>(values, p, L, inv + g0, o); break;
-      case 3: decode_values_bf16<C2, 3>(values, p, L, inv + g0, o); break;
+      case 2: decode_values_bf16<C2, std::min(2, kValueHeads)>(values, p, L, inv + g0, o); break;
+      case 3: decode_values_bf16<C2, std::min(3, kValueHeads)>(values, p, L, inv + g0, o); break;
       default: decode_values_bf16<C2, kValueHeads>(values, p, L, inv + g0, o); break;
     }
   }

@@ -137,8 +137,6 @@ PAGEDLLM_AMX_TARGET static void prefill_item_amx_t(const DecodeAttnArgs<Bf16>& a
   amx_configure_attention();
   const __m512 scale = _mm512_set1_ps(a.scale), ninf = _mm512_set1_ps(-INFINITY);
   const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
   for (int64_t s0 = r0; s0 < r1; s0 += 16) {  // 16 rows at a time, keys up to the last one's
     const int64_t nr = std::min<int64_t>(16, r1 - s0), sblk = (ctx + s0 + nr + KB - 1) / KB;
     for (int64_t g = 0; g < G; ++g) {
@@ -202,25 +200,19 @@ PAGEDLLM_AMX_TARGET static void prefill_item_amx_t(const DecodeAttnArgs<Bf16>& a
         _tile_stored(3, ob + 48, 256);
         for (int64_t i = 0; i < nr; ++i) {
           uint16_t* out = a.out + (qsl[b] + s0 + i) * a.num_heads * D + head * D + 64 * dg;
-          const __m512 inv = _mm512_set1_ps(sums[i]);
-          for (int h = 0; h < 2; ++h) {  // tiles 2 h (lo) and 2 h + 1 (hi): columns 32 h ..
-            const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(ob + i * 64 + 32 * h), inv);
-            const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(ob + i * 64 + 32 * h + 16), inv);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * h),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, first, hi)));
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * h + 16),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, second, hi)));
-          }
+          for (int h = 0; h < 2; ++h)  // tiles 2 h (lo) and 2 h + 1 (hi): columns 32 h ..
+            store_unpacked_bf16(out + 32 * h, _mm512_loadu_ps(ob + i * 64 + 32 * h),
+                                _mm512_loadu_ps(ob + i * 64 + 32 * h + 16),
+                                _mm512_set1_ps(sums[i]));
         }
       }
     }
   }
 }
 
-// Whether the AMX kernel takes a prefill of head size D with element type E.
-template <class E>
+// Whether the AMX kernel takes a prefill of bf16 queries and caches with head size D.
 static inline bool prefill_amx_applies(int64_t D) {
-  return std::is_same_v<E, Bf16> && (D == 64 || D == 128) && amx_usable();
+  return (D == 64 || D == 128) && amx_usable();
 }
 
 static inline void prefill_item_amx(const DecodeAttnArgs<Bf16>& a, const int64_t* qsl, int64_t b,

@@ -401,9 +401,9 @@ void paged_prefill_attention(const at::Tensor& q, at::Tensor& out, const at::Ten
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t* rp = reqs.data_ptr<int64_t>();
-  // Rows per item: the AMX kernel's (bf16) or the vector kernels'.
-  const int64_t item_rows =
-      q.scalar_type() == at::kBFloat16 && prefill_amx_applies<Bf16>(D) ? kPrefillAmxRows : kPrefillRows;
+  // The AMX kernel (bf16) or the vector kernels, and their rows per item.
+  const bool amx = q.scalar_type() == at::kBFloat16 && prefill_amx_applies(D);
+  const int64_t item_rows = amx ? kPrefillAmxRows : kPrefillRows;
   std::vector<int64_t> items;  // request, row block, KV head
   for (int64_t i = 0; i < reqs.numel(); ++i) {
     const int64_t r = rp[i];
@@ -425,7 +425,7 @@ void paged_prefill_attention(const at::Tensor& q, at::Tensor& out, const at::Ten
     std::atomic<int64_t> next{0};
     at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), total), 1, [&](int64_t, int64_t) {
       if constexpr (std::is_same_v<E, Bf16>) {
-        if (prefill_amx_applies<E>(D)) {
+        if (amx) {
           for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < total;)
             prefill_item_amx(a, qsl, items[3 * i], items[3 * i + 2], items[3 * i + 1]);
           amx_release();
