@@ -60,7 +60,7 @@ from pagedllm.engine.utils import (
     engine_identity,
     ready_timeout_s,
 )
-from pagedllm.spawn import exit_process
+from pagedllm.spawn import exit_process, settle_forked_engine
 from pagedllm.worker.cpu_binding import CPU_BIND_ENV, plan_cpu_binding
 
 logger = logging.getLogger(__name__)
@@ -676,7 +676,7 @@ def engine_cpu_cores(
 
 
 def engine_process_main(**kwargs: Any) -> None:
-    """Entry point of an engine process (multiprocessing `spawn` target). Once the engine has
+    """Entry point of an engine process (multiprocessing target, forked or spawned). Once the engine has
     stopped and flushed its sockets, the process ends without the interpreter's finalization,
     which can stall for seconds collecting the model's object graph."""
     cores = engine_cpu_cores(kwargs["config"], kwargs["local_dp_rank"])
@@ -684,4 +684,6 @@ def engine_process_main(**kwargs: Any) -> None:
         # Before torch starts its thread pool (sized by OMP_NUM_THREADS when set).
         os.sched_setaffinity(0, cores)
         os.environ.setdefault("OMP_NUM_THREADS", str(len(cores)))
+    if kwargs.pop("forked", False):
+        settle_forked_engine()
     exit_process(run_engine_core(**kwargs))

@@ -39,7 +39,14 @@ import msgspec
 import zmq
 
 from pagedllm.config import EngineConfig, ParallelConfig
-from pagedllm.spawn import get_open_port, main_module_hidden, model_process_env
+from pagedllm.spawn import (
+    engine_start_method,
+    engines_started,
+    get_open_port,
+    main_module_hidden,
+    model_process_env,
+    start_process,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +194,8 @@ class CoreEngineProcManager:
         self.deaths: dict[int, str] = {}
         self._handle = _ProcHandle()
         self._finalizer = multiprocessing.util.Finalize(self, self._handle, exitpriority=100)
-        ctx = multiprocessing.get_context("spawn")
+        method = engine_start_method(config.device_config.device)
+        ctx = multiprocessing.get_context(method)
         try:
             for local_rank, rank in enumerate(ranks):
                 proc = ctx.Process(
@@ -201,12 +209,13 @@ class CoreEngineProcManager:
                         local=local_handshake,
                         parent_pid=os.getpid(),
                         engine_core_cls=engine_core_cls,
+                        forked=method == "fork",
                     ),
                 )
                 self._handle.procs[rank] = proc
                 env = _device_env(config, local_rank)
                 with main_module_hidden(engine_core_cls), _engine_process_env(env):
-                    proc.start()
+                    start_process(proc, method)
         except BaseException:
             self.shutdown()
             raise
@@ -314,6 +323,7 @@ class EngineLauncher:
                 self.engine_manager = CoreEngineProcManager(
                     self.config, address, local_ranks, True, engine_core_cls, on_death
                 )
+            engines_started()
             return self._wait_for_engines(sock, set(local_ranks))
         finally:
             sock.close()  # lingers until the last replies are out

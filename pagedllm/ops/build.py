@@ -67,10 +67,19 @@ def build_dir() -> Path:
 
 
 def build(verbose: bool = False) -> Path:
-    """Compile the extension if its build directory has none; load it; return the library."""
+    """Compile the extension if its build directory has none; load it; return the library.
+    A directory whose build finished (its marker file written after the first load) is
+    loaded straight away: PyTorch's extension loader imports setuptools and runs ninja to
+    find out the same (~0.2 s of every engine's start-up)."""
+    out = build_dir()
+    library = out / f"{EXT_NAME}.so"
+    marker = out / "built"
+    if marker.exists() and library.exists():
+        torch.ops.load_library(str(library))
+        return library
+
     from torch.utils.cpp_extension import load
 
-    out = build_dir()
     out.mkdir(parents=True, exist_ok=True)
     load(
         name=EXT_NAME,
@@ -82,7 +91,8 @@ def build(verbose: bool = False) -> Path:
         is_python_module=False,
         verbose=verbose,
     )
-    return out / f"{EXT_NAME}.so"
+    marker.touch()
+    return library
 
 
 def _registered() -> bool:

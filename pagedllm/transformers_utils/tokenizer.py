@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pagedllm.spawn import after_engines_start
 from pagedllm.transformers_utils.checkpoint_config import (
     checkpoint_config_from_dict,
     is_light_model_type,
@@ -74,10 +75,21 @@ def get_tokenizer_while(
         tokenizer = get_tokenizer(name, trust_remote_code=trust_remote_code)
         return tokenizer, start()
     with ThreadPoolExecutor(1, thread_name_prefix="TokenizerLoad") as pool:
-        future = pool.submit(get_tokenizer, name, trust_remote_code=trust_remote_code)
-        started = start()
+        futures: list[Future] = []
+
+        def load() -> None:
+            if not futures:
+                futures.append(
+                    pool.submit(get_tokenizer, name, trust_remote_code=trust_remote_code)
+                )
+
+        # The load's thread starts once the engine processes have (a fork must not copy it
+        # mid-import), or after `start()` when it launched none.
+        with after_engines_start(load):
+            started = start()
+        load()
         try:
-            return future.result(), started
+            return futures[0].result(), started
         except BaseException:
             started.shutdown()  # type: ignore[attr-defined]
             raise

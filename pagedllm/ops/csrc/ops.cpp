@@ -253,12 +253,16 @@ at::Tensor rms_norm_impl(const at::Tensor& x, at::Tensor* residual, const at::Te
   const int64_t T = x.size(0), n = x.size(1);
   at::Tensor out = at::empty({T, n}, x.options());
   by_dtype(x, "x", [&]<class E>() {
+    using V = typename E::T;
+    void (*row)(V*, const V*, V*, const V*, int64_t, float, float*) = rms_norm_row;
+    if constexpr (std::is_same_v<E, Bf16>)
+      if (cpu_has_avx512_bf16()) row = rms_norm_row_bf16;
     at::parallel_for(0, T, row_grain(n), [&](int64_t b, int64_t e) {
       std::vector<float> tmp(n);
       for (int64_t t = b; t < e; ++t)
-        rms_norm_row(data<E>(out) + t * n, data<E>(x) + t * x.stride(0),
-                     residual ? data<E>(*residual) + t * residual->stride(0) : nullptr,
-                     data<E>(weight), n, static_cast<float>(eps), tmp.data());
+        row(data<E>(out) + t * n, data<E>(x) + t * x.stride(0),
+            residual ? data<E>(*residual) + t * residual->stride(0) : nullptr, data<E>(weight),
+            n, static_cast<float>(eps), tmp.data());
     });
   });
   return out;
@@ -278,9 +282,12 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   const int64_t T = x.size(0), d = x.size(1) / 2;
   at::Tensor out = at::empty({T, d}, x.options());
   by_dtype(x, "x", [&]<class E>() {
+    using V = typename E::T;
+    void (*row)(V*, const V*, int64_t) = silu_and_mul_row;
+    if constexpr (std::is_same_v<E, Bf16>)
+      if (cpu_has_avx512_bf16()) row = silu_and_mul_row_bf16;
     at::parallel_for(0, T, row_grain(d), [&](int64_t b, int64_t e) {
-      for (int64_t t = b; t < e; ++t)
-        silu_and_mul_row(data<E>(out) + t * d, data<E>(x) + t * x.stride(0), d);
+      for (int64_t t = b; t < e; ++t) row(data<E>(out) + t * d, data<E>(x) + t * x.stride(0), d);
     });
   });
   return out;
@@ -300,11 +307,14 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_sin_cache.size(0), "position ", pos[t], " out of the RoPE table");
   by_dtype(q, "query", [&]<class E>() {
+    void (*rope)(typename E::T*, int64_t, int64_t, int64_t, const float*) = rope_row;
+    if constexpr (std::is_same_v<E, Bf16>)
+      if (cpu_has_avx512_bf16()) rope = rope_row_bf16;
     at::parallel_for(0, T, row_grain(q.size(1) + k.size(1)), [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
         const float* row = cs + pos[t] * rot;
-        rope_row(data<E>(q) + t * q.stride(0), hq, head_size, rot, row);
-        rope_row(data<E>(k) + t * k.stride(0), hk, head_size, rot, row);
+        rope(data<E>(q) + t * q.stride(0), hq, head_size, rot, row);
+        rope(data<E>(k) + t * k.stride(0), hk, head_size, rot, row);
       }
     });
   });
