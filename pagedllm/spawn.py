@@ -73,13 +73,17 @@ def start_process(proc: multiprocessing.process.BaseProcess, method: str) -> Non
 
 def settle_forked_engine() -> None:
     """First thing in a forked engine process: undo what it inherited that a spawned one would
-    not have. The parent's signal handlers go (a wakeup fd would forward this process's
+    not have. The parent's log handlers go (the engine's lines get their own label); its
+    signal handlers go (a wakeup fd would forward this process's
     signals to the parent's event loop); the parent's objects leave the garbage collector's
     view (gc.freeze: they are never freed here, and scanning them would copy their pages);
     the malloc settings a spawned engine gets from GLIBC_TUNABLES are set by mallopt (glibc
     reads the variable only when a process starts); torch's thread count is what a fresh
     process would pick (OMP_NUM_THREADS, else the CPUs this process may use)."""
     signal.set_wakeup_fd(-1)
+    root = logging.getLogger()  # the engine sets up its own, as a spawned one does
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
     for signum in signal.valid_signals():
         try:
             handler = signal.getsignal(signum)

@@ -6,6 +6,7 @@ quietly, with no engine death reported."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -24,9 +25,9 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _run_script(script: str, model: str, **env: str) -> str:
-    """Run `script` in a fresh interpreter (argv[1] = model) with `env` added; its stdout,
-    once it has exited cleanly and logged no alarm."""
+def _run_script(script: str, model: str, **env: str) -> subprocess.CompletedProcess:
+    """Run `script` in a fresh interpreter (argv[1] = model) with `env` added; the finished
+    process, once it has exited cleanly and logged no alarm."""
     proc = subprocess.run(
         [sys.executable, "-c", script, model],
         capture_output=True,
@@ -38,20 +39,21 @@ def _run_script(script: str, model: str, **env: str) -> str:
     assert proc.returncode == 0, log
     for alarm in ("Traceback", "fatal error", "is dead", "ERROR"):
         assert alarm not in log, log
-    return proc.stdout
+    return proc
 
 
 @pytest.mark.parametrize("multiprocessing", ["0", "1"])
 def test_script_runs_and_exits_quietly(tiny_llama_dir, multiprocessing):
     out = _run_script(SCRIPT, tiny_llama_dir, PAGEDLLM_ENABLE_MULTIPROCESSING=multiprocessing)
-    assert "TOKENS 4" in out, out
+    assert "TOKENS 4" in out.stdout, out.stdout
 
 
 FORK_SCRIPT = textwrap.dedent(
     """
-    import sys, torch
+    import logging, sys, torch
     from pagedllm import LLM, SamplingParams
 
+    logging.basicConfig(level=logging.INFO, format="FRONT %(message)s")
     # A multi-threaded op first: the main thread now holds an OpenMP thread pool, which a
     # child forked from it could not use (its first parallel region would hang).
     x = torch.randn(512, 512)
@@ -73,8 +75,8 @@ FORK_SCRIPT = textwrap.dedent(
 @pytest.mark.skipif(sys.platform != "linux", reason="engines fork only on Linux")
 def test_forked_engine_matches_a_spawned_one(tiny_llama_dir):
     """`auto` forks the engine from a script's single thread, even after torch ran OpenMP
-    regions there (the fork is made from a fresh thread), and the forked engine's greedy
-    tokens are the spawned one's."""
+    regions there (the fork is made from a fresh thread) and set up logging; the forked
+    engine logs under its own label and its greedy tokens are the spawned one's."""
     results = {}
     for method in ("auto", "spawn"):
         out = _run_script(
@@ -83,7 +85,11 @@ def test_forked_engine_matches_a_spawned_one(tiny_llama_dir):
             PAGEDLLM_ENGINE_MULTIPROC_METHOD=method,
             PAGEDLLM_ENABLE_MULTIPROCESSING="1",
         )
-        results[method] = dict(line.split(" ", 1) for line in out.splitlines() if " " in line)
+        lines = out.stdout.splitlines()
+        results[method] = dict(line.split(" ", 1) for line in lines if " " in line)
+        # The engine's own log label, not the front end's format it was forked with.
+        assert re.search(r"\[EngineCore_DP0 pid=\d+\] EngineCore ready", out.stderr), out.stderr
+        assert "FRONT EngineCore ready" not in out.stderr, out.stderr
     assert results["auto"]["SPAWNED"] == "False"
     assert results["spawn"]["SPAWNED"] == "True"
     assert results["auto"]["TOKENS"] == results["spawn"]["TOKENS"]
