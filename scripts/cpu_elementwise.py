@@ -9,21 +9,15 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 
 import torch
 
+from pagedllm.benchmarks.timing import call_seconds
 from pagedllm.ops import cpu_ops
 
 
 def median_us(fn, calls: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    return statistics.median(call_seconds(fn, calls)) * 1e6
 
 
 def time_ops(rows: int) -> dict[str, float]:
