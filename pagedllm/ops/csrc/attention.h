@@ -751,10 +751,8 @@ PAGEDLLM_BF16_TARGET static inline void store_unpacked_bf16(uint16_t* dst, __m51
   const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
   lo = _mm512_mul_ps(lo, inv);
   hi = _mm512_mul_ps(hi, inv);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
-                      (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, first, hi)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16),
-                      (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(lo, second, hi)));
+  store16(dst, _mm512_permutex2var_ps(lo, first, hi));
+  store16(dst + 16, _mm512_permutex2var_ps(lo, second, hi));
 }
 
 // out[g] = sum_t p[g][t] v_t / sum for NG query heads (p: softmax numerators, inv: 1 / sums).

@@ -98,4 +98,30 @@ PAGEDLLM_AVX2_TARGET static inline void store8(float* p, __m256 v) { _mm256_stor
 #define PAGEDLLM_BF16_TARGET \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")))
 
+// AVX512-BF16 helpers, load8 / store8's 16-lane kin: 16 bf16 values <-> 16 fp32 lanes, stored
+// rounded to nearest even by vcvtneps2bf16 (which also flushes denormal inputs to zero). With
+// a mask m, only its lanes are read (the others are zero) or written.
+PAGEDLLM_BF16_TARGET static inline __m512 widen16(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+PAGEDLLM_BF16_TARGET static inline __m512 load16(const uint16_t* p) {
+  return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+PAGEDLLM_BF16_TARGET static inline __m512 load16(const uint16_t* p, __mmask16 m) {
+  return widen16(_mm256_maskz_loadu_epi16(m, p));
+}
+PAGEDLLM_BF16_TARGET static inline void store16(uint16_t* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+}
+PAGEDLLM_BF16_TARGET static inline void store16(uint16_t* p, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v));
+}
+PAGEDLLM_BF16_TARGET static inline __m512 round16(__m512 v) {  // Bf16::round on 16 lanes
+  return widen16((__m256i)_mm512_cvtneps_pbh(v));
+}
+// The lanes of [i, min(i + 16, n)).
+static inline __mmask16 lanes16(int64_t i, int64_t n) {
+  return n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
+}
+
 }  // namespace pagedllm

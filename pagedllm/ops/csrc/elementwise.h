@@ -98,94 +98,46 @@ PAGEDLLM_ROW_KERNELS(Fp32)
 // roundings alone; 2-4x faster on rows in cache): the same arithmetic in the same order, so
 // the same bits, except that the rounding instruction (vcvtneps2bf16) flushes denormal inputs
 // to zero and rms_norm's sum of squares is taken in another order (16 lanes, fused
-// multiply-adds). 16 elements a step; a last, shorter step goes through masked loads and
-// stores (FULL = false), the others through plain ones. (SiLU x mul the same way, zmm exps
+// multiply-adds). 16 elements a step, the last one masked. (SiLU x mul the same way, zmm exps
 // and divisions, was no faster on 512 rows and 1.7x slower on 8,192: it stays portable.)
-template <bool FULL>
-PAGEDLLM_BF16_TARGET static inline __m256i load16_raw(const uint16_t* p, __mmask16 m) {
-  if constexpr (FULL) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm256_maskz_loadu_epi16(m, p);
-}
-PAGEDLLM_BF16_TARGET static inline __m512 widen16_bf16(__m256i h) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-template <bool FULL>
-PAGEDLLM_BF16_TARGET static inline __m512 load16_bf16(const uint16_t* p, __mmask16 m) {
-  return widen16_bf16(load16_raw<FULL>(p, m));
-}
-template <bool FULL>
-PAGEDLLM_BF16_TARGET static inline void store16_raw(uint16_t* p, __mmask16 m, __m256i h) {
-  if constexpr (FULL)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
-  else
-    _mm256_mask_storeu_epi16(p, m, h);
-}
-template <bool FULL>
-PAGEDLLM_BF16_TARGET static inline __m512 load16_f32(const float* p, __mmask16 m) {
-  if constexpr (FULL) return _mm512_loadu_ps(p);
-  return _mm512_maskz_loadu_ps(m, p);
-}
-template <bool FULL>
-PAGEDLLM_BF16_TARGET static inline void store16_f32(float* p, __mmask16 m, __m512 v) {
-  if constexpr (FULL)
-    _mm512_storeu_ps(p, v);
-  else
-    _mm512_mask_storeu_ps(p, m, v);
-}
-PAGEDLLM_BF16_TARGET static inline __m256i narrow16_bf16(__m512 v) {
-  return (__m256i)_mm512_cvtneps_pbh(v);
-}
-PAGEDLLM_BF16_TARGET static inline __m512 round16_bf16(__m512 v) {  // Bf16::round
-  return widen16_bf16(narrow16_bf16(v));
-}
-
-// f.template operator()<FULL>(i, mask) for i = 0, 16, ... < n: full steps, then the masked
-// last one.
-template <class F>
-static inline __attribute__((always_inline)) void for_steps16(int64_t n, F&& f) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) f.template operator()<true>(i, static_cast<__mmask16>(0xFFFF));
-  if (i < n) f.template operator()<false>(i, static_cast<__mmask16>((1u << (n - i)) - 1));
-}
-
 PAGEDLLM_BF16_TARGET static void rms_norm_row_bf16(uint16_t* out, const uint16_t* x,
                                                    uint16_t* residual, const uint16_t* w,
                                                    int64_t n, float eps, float* tmp) {
   __m512 ss = _mm512_setzero_ps();
-  for_steps16(n, [&]<bool FULL>(int64_t i, __mmask16 m) PAGEDLLM_BF16_TARGET {
-    __m512 s = load16_bf16<FULL>(x + i, m);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes16(i, n);
+    __m512 s = load16(x + i, m);
     if (residual) {
-      const __m256i sum = narrow16_bf16(_mm512_add_ps(s, load16_bf16<FULL>(residual + i, m)));
-      store16_raw<FULL>(residual + i, m, sum);
-      s = widen16_bf16(sum);
+      s = round16(_mm512_add_ps(s, load16(residual + i, m)));
+      store16(residual + i, s, m);
     }
-    store16_f32<FULL>(tmp + i, m, s);
+    _mm512_mask_storeu_ps(tmp + i, m, s);
     ss = _mm512_fmadd_ps(s, s, ss);
-  });
+  }
   const __m512 r =
       _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(n) + eps));
-  for_steps16(n, [&]<bool FULL>(int64_t i, __mmask16 m) PAGEDLLM_BF16_TARGET {
-    const __m512 y = round16_bf16(_mm512_mul_ps(load16_f32<FULL>(tmp + i, m), r));
-    store16_raw<FULL>(out + i, m, narrow16_bf16(_mm512_mul_ps(load16_bf16<FULL>(w + i, m), y)));
-  });
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes16(i, n);
+    const __m512 y = round16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, tmp + i), r));
+    store16(out + i, _mm512_mul_ps(load16(w + i, m), y), m);
+  }
 }
 
 PAGEDLLM_BF16_TARGET static void rope_row_bf16(uint16_t* x, int64_t heads, int64_t head_size,
                                                int64_t rot, const float* cos_sin) {
   const int64_t half = rot / 2;
-  for_steps16(half, [&]<bool FULL>(int64_t i, __mmask16 m) PAGEDLLM_BF16_TARGET {
-    const __m512 c = round16_bf16(load16_f32<FULL>(cos_sin + i, m));
-    const __m512 s = round16_bf16(load16_f32<FULL>(cos_sin + half + i, m));
+  for (int64_t i = 0; i < half; i += 16) {
+    const __mmask16 m = lanes16(i, half);
+    const __m512 c = round16(_mm512_maskz_loadu_ps(m, cos_sin + i));
+    const __m512 s = round16(_mm512_maskz_loadu_ps(m, cos_sin + half + i));
     for (int64_t h = 0; h < heads; ++h) {
       uint16_t* xh = x + h * head_size + i;
-      const __m512 x1 = load16_bf16<FULL>(xh, m), x2 = load16_bf16<FULL>(xh + half, m);
-      store16_raw<FULL>(xh, m, narrow16_bf16(_mm512_sub_ps(round16_bf16(_mm512_mul_ps(x1, c)),
-                                                           round16_bf16(_mm512_mul_ps(x2, s)))));
-      store16_raw<FULL>(xh + half, m,
-                        narrow16_bf16(_mm512_add_ps(round16_bf16(_mm512_mul_ps(x2, c)),
-                                                    round16_bf16(_mm512_mul_ps(x1, s)))));
+      const __m512 x1 = load16(xh, m), x2 = load16(xh + half, m);
+      store16(xh, _mm512_sub_ps(round16(_mm512_mul_ps(x1, c)), round16(_mm512_mul_ps(x2, s))), m);
+      store16(xh + half,
+              _mm512_add_ps(round16(_mm512_mul_ps(x2, c)), round16(_mm512_mul_ps(x1, s))), m);
     }
-  });
+  }
 }
 
 // bf16 row -> fp32 row (exact).

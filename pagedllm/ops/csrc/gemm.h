@@ -104,16 +104,11 @@ PAGEDLLM_BF16_TARGET static void gemm_epilogue(
       const float* cr = c + (m - m0) * kPanel;
       for (int64_t j = 0; j < kPanel; j += 16) {
         __m512 v = _mm512_loadu_ps(cr + j);
-        if (a.bias) {
-          __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bias + n0 + j));
-          v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
-        }
+        if (a.bias) v = _mm512_add_ps(v, load16(a.bias + n0 + j));
         if (a.out_fp32)
           _mm512_storeu_ps(static_cast<float*>(a.out) + m * a.ldo + n0 + j, v);
         else
-          _mm256_storeu_si256(
-              reinterpret_cast<__m256i*>(static_cast<uint16_t*>(a.out) + m * a.ldo + n0 + j),
-              (__m256i)_mm512_cvtneps_pbh(v));
+          store16(static_cast<uint16_t*>(a.out) + m * a.ldo + n0 + j, v);
       }
     }
     return;
