@@ -69,7 +69,9 @@ def test_linear_avx2(n, k, dtype):
 
 @needs_bf16
 @pytest.mark.parametrize("m", [1, 3, 6, 7, 64, 97, 200])
-@pytest.mark.parametrize("n,k", [(1, 2), (64, 64), (100, 768), (130, 770), (1280, 96)])
+# 4,160 x 64: 65 panels, so the threads take runs of several items and claim the next run
+# ahead (the AMX items prefetch the next item's panel).
+@pytest.mark.parametrize("n,k", [(1, 2), (64, 64), (100, 768), (130, 770), (1280, 96), (4160, 64)])
 def test_linear_bf16(m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=g).to(BF16)
@@ -86,7 +88,7 @@ def test_linear_bf16(m, n, k):
 @needs_avx2
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
 @pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 97, 200])
-@pytest.mark.parametrize("n,k", [(1, 1), (64, 64), (100, 770), (130, 3001), (1280, 96)])
+@pytest.mark.parametrize("n,k", [(1, 1), (64, 64), (100, 770), (130, 3001), (1280, 96), (4160, 64)])
 def test_linear_int8_equals_the_reference(m, n, k, dtype):
     """The W8A8 kernel (AVX512-VNNI where the CPU has it, else AVX2) computes `int8_linear`'s
     numbers exactly (integer sums, the same float steps), for bf16 and fp32 activations, K not

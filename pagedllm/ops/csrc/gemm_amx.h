@@ -119,6 +119,32 @@ PAGEDLLM_AMX_TARGET static inline void amx_release() {
       _tile_dpbf16ps(c, a, b);    \
   } while (0)
 
+// The panel of a thread's next work item, brought into L2 a little at each k-step of the
+// current one. An AMX tile load cannot run ahead of the tile products that wait for it (the
+// tile registers are few and not renamed), so a panel read from memory on demand costs its
+// full memory time on top of the products: at 64 rows the item's products and its panel's
+// streaming took about as long each, one after the other. Spread over the item's steps, the
+// next panel's lines arrive while this one's products run (a cold 64-row panel 1.2-1.6x
+// faster in a one-thread microbenchmark; spread over half the steps, or into L1, slower).
+struct AmxPrefetch {
+  const char* at = nullptr;   // next line to request
+  const char* end = nullptr;  // end of the panel
+  int64_t step_bytes = 0;     // bytes requested per k-step
+
+  // Spreads bytes at next over `steps` k-steps (next null: nothing to fetch).
+  AmxPrefetch(const char* next, int64_t bytes, int64_t steps) {
+    if (!next || steps <= 0) return;
+    at = next;
+    end = next + bytes;
+    step_bytes = ((bytes + steps - 1) / steps + 63) / 64 * 64;
+  }
+  PAGEDLLM_AMX_TARGET void step() {
+    if (at >= end) return;
+    for (int64_t b = 0; b < step_bytes; b += 64) _mm_prefetch(at + b, _MM_HINT_T1);
+    at += step_bytes;
+  }
+};
+
 // c[rows][64] = x[rows, 0 .. kbytes) * panel over the same inputs, rows <= 32 in two halves
 // (TWO: the second half has rows). In bytes, both kinds are alike: 64 bytes of a row of x
 // (32 bf16 / 64 uint8 inputs) meet 16 k-groups of the panel (16 pairs / quads), 16 rows of
@@ -127,7 +153,7 @@ PAGEDLLM_AMX_TARGET static inline void amx_release() {
 template <bool TWO, bool INT8>
 PAGEDLLM_AMX_TARGET static inline void amx_tile_rows(const char* x, int64_t ldx,
                                                      const char* panel, int64_t kbytes,
-                                                     void* c) {
+                                                     void* c, AmxPrefetch& next) {
   constexpr int64_t wstride = kPanel * 4, cstride = kPanel * 4;
   const char* x1 = x + kAmxRows * ldx;
   char* cb = static_cast<char*>(c);
@@ -141,6 +167,7 @@ PAGEDLLM_AMX_TARGET static inline void amx_tile_rows(const char* x, int64_t ldx,
     const char* w = panel + half * 32 * 4;
     for (int64_t k = 0; k < kbytes; k += 64) {
       const char* wk = w + k * kPanel;
+      next.step();
       _tile_loadd(4, x + k, ldx);
       _tile_loadd(6, wk, wstride);
       _tile_loadd(7, wk + 16 * 4, wstride);
@@ -165,11 +192,15 @@ PAGEDLLM_AMX_TARGET static inline void amx_tile_rows(const char* x, int64_t ldx,
 #undef PAGEDLLM_AMX_DOT
 
 // Rows [m0, m1) x one panel on tiles, 32 rows at a time, over the first kbytes bytes of each
-// row of x (a multiple of 64); tail(m, rows, c) adds the rest of K for those rows.
+// row of x (a multiple of 64); tail(m, rows, c) adds the rest of K for those rows. The
+// panel_bytes at next_panel (the thread's next item's; null: none) are prefetched meanwhile.
 template <bool INT8, class Tail>
 PAGEDLLM_AMX_TARGET static inline void amx_rows(const char* x, int64_t ldx, const char* panel,
                                                 int64_t kbytes, int64_t m0, int64_t m1, void* c,
+                                                const char* next_panel, int64_t panel_bytes,
                                                 Tail&& tail) {
+  const int64_t row_tiles = (m1 - m0 + 2 * kAmxRows - 1) / (2 * kAmxRows);
+  AmxPrefetch next(next_panel, panel_bytes, row_tiles * 2 * (kbytes / 64));  // 2 halves
   for (int64_t m = m0; m < m1; m += 2 * kAmxRows) {
     const int64_t rows = std::min(2 * kAmxRows, m1 - m);
     const int rows0 = static_cast<int>(std::min(kAmxRows, rows));
@@ -178,22 +209,25 @@ PAGEDLLM_AMX_TARGET static inline void amx_rows(const char* x, int64_t ldx, cons
     if (kbytes > 0) {
       amx_configure(rows0, rows1);
       if (rows1 > 0)
-        amx_tile_rows<true, INT8>(x + m * ldx, ldx, panel, kbytes, cm);
+        amx_tile_rows<true, INT8>(x + m * ldx, ldx, panel, kbytes, cm, next);
       else
-        amx_tile_rows<false, INT8>(x + m * ldx, ldx, panel, kbytes, cm);
+        amx_tile_rows<false, INT8>(x + m * ldx, ldx, panel, kbytes, cm, next);
     }
     tail(m, rows, cm);
   }
 }
 
 // gemm.h's gemm_item on AMX tiles: rows [m0, m1) x panel p, then the same epilogue. The
-// last K % 32 inputs are added on gemm.h's AVX512-BF16 kernel.
+// last K % 32 inputs are added on gemm.h's AVX512-BF16 kernel. next_p: the panel of the
+// thread's next item (-1: none), prefetched.
 PAGEDLLM_AMX_TARGET static void gemm_item_amx(const GemmArgs& a, int64_t m0, int64_t m1,
-                                              int64_t p, float* c) {
-  const int64_t kp_total = a.K / 2, K32 = a.K / kAmxK * kAmxK;
-  const uint16_t* panel = a.w + p * kp_total * 2 * kPanel;
+                                              int64_t p, float* c, int64_t next_p) {
+  const int64_t kp_total = a.K / 2, K32 = a.K / kAmxK * kAmxK, panel_elems = kp_total * 2 * kPanel;
+  const uint16_t* panel = a.w + p * panel_elems;
   amx_rows<false>(reinterpret_cast<const char*>(a.x), a.ldx * 2,
                   reinterpret_cast<const char*>(panel), K32 * 2, m0, m1, c,
+                  next_p < 0 ? nullptr : reinterpret_cast<const char*>(a.w + next_p * panel_elems),
+                  panel_elems * 2,
                   [&](int64_t m, int64_t rows, void* cm) {
                     if (K32 == a.K) return;
                     float* cf = static_cast<float*>(cm);
@@ -207,12 +241,16 @@ PAGEDLLM_AMX_TARGET static void gemm_item_amx(const GemmArgs& a, int64_t m0, int
 
 // gemm_int8.h's int32 sums on AMX tiles (vpdpbusd's products and sums, so the same numbers):
 // the last K_pad % 64 inputs are added on the AVX512-VNNI kernel.
+// next_p: the panel of the thread's next item (-1: none), prefetched.
 PAGEDLLM_AMX_TARGET static void gemm_int8_sums_amx(const Int8GemmArgs& a, int64_t m0,
-                                                   int64_t m1, int64_t p, int32_t* c) {
-  const int64_t kbytes = a.Kq * 4, K64 = kbytes / 64 * 64;
-  const int8_t* panel = a.w + p * a.Kq * 4 * kPanel;
+                                                   int64_t m1, int64_t p, int32_t* c,
+                                                   int64_t next_p) {
+  const int64_t kbytes = a.Kq * 4, K64 = kbytes / 64 * 64, panel_bytes = kbytes * kPanel;
+  const int8_t* panel = a.w + p * panel_bytes;
   amx_rows<true>(reinterpret_cast<const char*>(a.xq), a.ldx,
                  reinterpret_cast<const char*>(panel), K64, m0, m1, c,
+                 next_p < 0 ? nullptr : reinterpret_cast<const char*>(a.w + next_p * panel_bytes),
+                 panel_bytes,
                  [&](int64_t m, int64_t rows, void* cm) {
                    if (K64 == kbytes) return;
                    int32_t* ci = static_cast<int32_t*>(cm);

@@ -42,7 +42,9 @@ void check_rows(const at::Tensor& t, const char* name) {
 // row), one buffer per thread. The threads take runs of items from a shared counter instead of
 // equal shares fixed up front: on a shared machine a thread that loses its core for a while
 // then delays nobody (a static split makes the others wait for its share at the end). Each
-// item writes its own outputs, so which thread runs it changes no result.
+// item writes its own outputs, so which thread runs it changes no result. An item that takes
+// a fifth argument gets the panel of the thread's next item (-1: none; a thread claims its next
+// run as it starts the last item of the current one), to prefetch it.
 // done() runs on each thread after its last item.
 template <class Acc, class Item, class Done = void (*)()>
 void for_gemm_items(int64_t M, int64_t N, Item&& item, Done&& done = [] {}, int64_t row_block = kRowBlock) {
@@ -57,11 +59,21 @@ void for_gemm_items(int64_t M, int64_t N, Item&& item, Done&& done = [] {}, int6
     // each row store splits over two lines: 5-9% of a 448 x 3,072 x 576 product).
     std::vector<Acc> c(block * kPanel + 64 / sizeof(Acc));
     Acc* cp = reinterpret_cast<Acc*>((reinterpret_cast<uintptr_t>(c.data()) + 63) & ~uintptr_t{63});
-    for (int64_t i0; (i0 = next.fetch_add(run, std::memory_order_relaxed)) < total;)
-      for (int64_t i = i0, end = std::min(total, i0 + run); i < end; ++i) {
-        const int64_t m0 = i / panels * block;
-        item(m0, std::min(M, m0 + block), i % panels, cp);
+    for (int64_t i0 = next.fetch_add(run, std::memory_order_relaxed); i0 < total;) {
+      const int64_t end = std::min(total, i0 + run);
+      int64_t following = total;  // the first item of the thread's next run
+      for (int64_t i = i0; i < end; ++i) {
+        if (i + 1 == end) following = next.fetch_add(run, std::memory_order_relaxed);
+        const int64_t m0 = i / panels * block, m1 = std::min(M, m0 + block);
+        if constexpr (std::is_invocable_v<Item&, int64_t, int64_t, int64_t, Acc*, int64_t>) {
+          const int64_t after = i + 1 < end ? i + 1 : following;
+          item(m0, m1, i % panels, cp, after < total ? after % panels : int64_t{-1});
+        } else {
+          item(m0, m1, i % panels, cp);
+        }
       }
+      i0 = following;
+    }
     done();
   });
 }
@@ -121,8 +133,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   GemmArgs a{bf16_ptr(x), M, K, x.stride(0), bf16_ptr(w), bias ? bf16_ptr(*bias) : nullptr,
              n, out.data_ptr(), out_fp32, out.stride(0)};
   if (use_amx(M)) {
-    for_amx_items<float>(M, n, 2 * K, [&](int64_t m0, int64_t m1, int64_t p, float* c) {
-      gemm_item_amx(a, m0, m1, p, c);
+    for_amx_items<float>(M, n, 2 * K, [&](int64_t m0, int64_t m1, int64_t p, float* c, int64_t next_p) {
+      gemm_item_amx(a, m0, m1, p, c, next_p);
     });
   } else {
     for_gemm_items<float>(M, n, [&](int64_t m0, int64_t m1, int64_t p, float* c) {
@@ -225,8 +237,8 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
                         x_scale.data_ptr<float>() + m, x_zero.data_ptr<int32_t>() + m);
     });
     if (use_amx(M)) {
-      for_amx_items<int32_t>(M, n, K_pad, [&](int64_t m0, int64_t m1, int64_t p, int32_t* c) {
-        gemm_int8_sums_amx(a, m0, m1, p, c);
+      for_amx_items<int32_t>(M, n, K_pad, [&](int64_t m0, int64_t m1, int64_t p, int32_t* c, int64_t next_p) {
+        gemm_int8_sums_amx(a, m0, m1, p, c, next_p);
         int8_epilogue(a, E{}, m0, m1, p, c);
       });
     } else {
