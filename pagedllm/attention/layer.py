@@ -121,8 +121,8 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     use. Reads of never-written slots (masked padding) still see zeros, never garbage. The
     mapping asks for transparent huge pages where the kernel offers them (madvise mode): the
     first writes into fresh blocks then fault a 2 MB page at a time instead of 4 KB (fewer,
-    cheaper faults while a long prefill fills fresh blocks; committed memory still grows
-    only with use, in 2 MB steps)."""
+    cheaper faults while a long prefill fills fresh blocks). An idle engine faults the rest
+    in ahead of use (worker/kv_prefault.py), so the steps rarely pay for it."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()

@@ -135,6 +135,11 @@ class EngineCore:
         """The dashboard's view of this engine now (engine/snapshot.py)."""
         return make_engine_snapshot(self.scheduler, self.step_times, self.block_map)
 
+    def prefault_kv(self) -> bool:
+        """Idle work: fault in the next piece of every rank's CPU KV cache
+        (worker/kv_prefault.py); whether any remain."""
+        return self.executor.prefault_kv()
+
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
 

@@ -189,6 +189,8 @@ class EngineCoreProc:
             executor.register_failure_callback(self._on_executor_failure)
         # Whether the stats the front end last saw may be stale (see _process_engine_step).
         self._stats_dirty = False
+        # Idle work: the CPU KV cache's pages faulted in ahead of use (worker/kv_prefault.py).
+        self._prefault_kv = getattr(self.engine_core, "prefault_kv", None)
         self._threads: list[threading.Thread] = []
         # Front ends that asked for dashboard snapshots (engine/snapshot.py), and when the
         # last one was sent.
@@ -235,9 +237,15 @@ class EngineCoreProc:
         while not has_work and not self._stop.is_set():
             if self._watchdog is not None:
                 self._watchdog.progress()  # idle is not stalled
-            # Idle: sleep until a front end sends something (or shutdown is requested). The
-            # timeout lets SIGTERM's handler run: a signal that lands on another thread
-            # does not wake a blocked wait.
+            # Idle: fault in a piece of the KV cache while nothing waits (a request that
+            # arrives meanwhile waits for one piece, a few ms at most), then sleep until a
+            # front end sends something (or shutdown is requested). The timeout lets
+            # SIGTERM's handler run: a signal that lands on another thread does not wake a
+            # blocked wait.
+            if self._prefault_kv is not None and self.input_queue.empty():
+                if not self._prefault_kv():
+                    self._prefault_kv = None
+                continue
             try:
                 self._handle_client_request(*self.input_queue.get(timeout=_POLL_INTERVAL_S))
                 break

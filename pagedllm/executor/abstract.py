@@ -79,6 +79,11 @@ class Executor(ABC):
         self, scheduler_output: SchedulerOutput, non_block: bool = False
     ) -> ModelRunnerOutput | Future[ModelRunnerOutput]: ...
 
+    def prefault_kv(self) -> bool:
+        """Idle work: fault in the next piece of the workers' CPU KV caches
+        (worker/kv_prefault.py); whether any remain."""
+        return False
+
     def shutdown(self) -> None:
         return None
 
@@ -119,6 +124,9 @@ class DistributedExecutor(Executor):
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.collective_rpc("initialize_kv_cache", (num_blocks,))
+
+    def prefault_kv(self) -> bool:
+        return any(self.collective_rpc("prefault_kv"))
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False

@@ -32,5 +32,8 @@ class UniProcExecutor(Executor):
         future.set_result(output)
         return future
 
+    def prefault_kv(self) -> bool:
+        return self.worker.prefault_kv()
+
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -59,6 +59,7 @@ from pagedllm.spec_decode.rejection_sampler import RejectionSampler
 from pagedllm.spec_decode.verifier import verification_rows, verify_and_sample
 from pagedllm.structured_output.bitmask import apply_grammar_bitmask
 from pagedllm.worker.cuda_graph import CUDAGraphRunner, capture_sizes, use_cuda_graphs
+from pagedllm.worker.kv_prefault import KVPrefaulter
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +132,7 @@ class ModelRunner:
         )
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_prefaulter: KVPrefaulter | None = None  # CPU caches' pages, while idle
         self.cuda_graphs: CUDAGraphRunner | None = None  # captured mode (capture_model)
         self.pp_group = get_pp_group()
         self.is_driver = self.pp_group.is_last_rank and get_tp_group().is_first_rank
@@ -182,6 +184,9 @@ class ModelRunner:
         )
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks, self.attn_backend)
+        if self.device.type == "cpu":
+            drafts = self.drafter.kv_caches if self.drafter is not None else []
+            self.kv_prefaulter = KVPrefaulter(self.kv_caches + drafts)
         if self.kv_connector is not None:
             layers = get_attention_layers(self.model)
             self.kv_connector.register_kv_caches(
@@ -190,6 +195,11 @@ class ModelRunner:
             )
             for layer in layers:
                 layer.kv_connector = self.kv_connector
+
+    def prefault_kv(self) -> bool:
+        """Populate the next piece of the CPU KV cache's pages (worker/kv_prefault.py);
+        whether any remain."""
+        return self.kv_prefaulter is not None and self.kv_prefaulter.step()
 
     def shutdown(self) -> None:
         if self.kv_connector is not None:

@@ -132,6 +132,11 @@ class Worker:
         self.model_runner.initialize_kv_cache(num_blocks)
         self.model_runner.capture_model()
 
+    def prefault_kv(self) -> bool:
+        """While the engine is idle: fault in the next piece of the CPU KV cache; whether
+        any remain (worker/kv_prefault.py)."""
+        return self.model_runner.prefault_kv()
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """The step's output on the rank that samples (the first tensor-parallel rank of the
         last pipeline stage); None on the others."""
