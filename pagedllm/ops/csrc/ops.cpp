@@ -297,9 +297,12 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   const int64_t T = x.size(0), d = x.size(1) / 2;
   at::Tensor out = at::empty({T, d}, x.options());
   by_dtype(x, "x", [&]<class E>() {
+    using V = typename E::T;
+    void (*row)(V*, const V*, int64_t) = silu_and_mul_row;
+    if constexpr (std::is_same_v<E, Bf16>)
+      if (cpu_has_avx512_bf16()) row = silu_and_mul_row_bf16;
     at::parallel_for(0, T, row_grain(d), [&](int64_t b, int64_t e) {
-      for (int64_t t = b; t < e; ++t)
-        silu_and_mul_row(data<E>(out) + t * d, data<E>(x) + t * x.stride(0), d);
+      for (int64_t t = b; t < e; ++t) row(data<E>(out) + t * d, data<E>(x) + t * x.stride(0), d);
     });
   });
   return out;
