@@ -185,7 +185,7 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks, self.attn_backend)
         if self.device.type == "cpu":
-            drafts = self.drafter.kv_caches if self.drafter is not None else []
+            drafts = getattr(self.drafter, "kv_caches", [])  # a draft model's / EAGLE's
             self.kv_prefaulter = KVPrefaulter(self.kv_caches + drafts)
         if self.kv_connector is not None:
             layers = get_attention_layers(self.model)
