@@ -393,7 +393,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
                         seq_lens.data_ptr<int32_t>(), static_cast<float>(scale)};
     at::parallel_for(0, B * Hkv, 1, [&](int64_t b, int64_t e) {
       std::vector<float> buf(scratch);
-      for (int64_t i = b; i < e; ++i) decode_item(a, i / Hkv, i % Hkv, buf.data());
+      for (int64_t i = b; i < e; ++i)
+        decode_item(a, i / Hkv, i % Hkv, buf.data(), i + 1 < e ? (i + 1) / Hkv : -1, (i + 1) % Hkv);
     });
   });
   return out;
