@@ -192,8 +192,11 @@ PAGEDLLM_AMX_TARGET static inline void amx_tile_rows(const char* x, int64_t ldx,
 #undef PAGEDLLM_AMX_DOT
 
 // Rows [m0, m1) x one panel on tiles, 32 rows at a time, over the first kbytes bytes of each
-// row of x (a multiple of 64); tail(m, rows, c) adds the rest of K for those rows. The
-// panel_bytes at next_panel (the thread's next item's; null: none) are prefetched meanwhile.
+// row of x (a multiple of 64). Each 32-row tile's sums land at the start of c (32 x kPanel)
+// and tail(m, rows, c) finishes those rows (the rest of K, the epilogue) while they are in
+// L1: finishing a whole item's rows at its end read them back from L2 (448 rows: 112 KB),
+// 3-9% of a prefill's products. The panel_bytes at next_panel (the thread's next item's;
+// null: none) are prefetched meanwhile.
 template <bool INT8, class Tail>
 PAGEDLLM_AMX_TARGET static inline void amx_rows(const char* x, int64_t ldx, const char* panel,
                                                 int64_t kbytes, int64_t m0, int64_t m1, void* c,
@@ -205,19 +208,18 @@ PAGEDLLM_AMX_TARGET static inline void amx_rows(const char* x, int64_t ldx, cons
     const int64_t rows = std::min(2 * kAmxRows, m1 - m);
     const int rows0 = static_cast<int>(std::min(kAmxRows, rows));
     const int rows1 = static_cast<int>(rows - rows0);
-    void* cm = static_cast<char*>(c) + (m - m0) * kPanel * 4;
     if (kbytes > 0) {
       amx_configure(rows0, rows1);
       if (rows1 > 0)
-        amx_tile_rows<true, INT8>(x + m * ldx, ldx, panel, kbytes, cm, next);
+        amx_tile_rows<true, INT8>(x + m * ldx, ldx, panel, kbytes, c, next);
       else
-        amx_tile_rows<false, INT8>(x + m * ldx, ldx, panel, kbytes, cm, next);
+        amx_tile_rows<false, INT8>(x + m * ldx, ldx, panel, kbytes, c, next);
     }
-    tail(m, rows, cm);
+    tail(m, rows, c);
   }
 }
 
-// gemm.h's gemm_item on AMX tiles: rows [m0, m1) x panel p, then the same epilogue. The
+// gemm.h's gemm_item on AMX tiles: rows [m0, m1) x panel p, with the same epilogue. The
 // last K % 32 inputs are added on gemm.h's AVX512-BF16 kernel. next_p: the panel of the
 // thread's next item (-1: none), prefetched.
 PAGEDLLM_AMX_TARGET static void gemm_item_amx(const GemmArgs& a, int64_t m0, int64_t m1,
@@ -229,22 +231,24 @@ PAGEDLLM_AMX_TARGET static void gemm_item_amx(const GemmArgs& a, int64_t m0, int
                   next_p < 0 ? nullptr : reinterpret_cast<const char*>(a.w + next_p * panel_elems),
                   panel_elems * 2,
                   [&](int64_t m, int64_t rows, void* cm) {
-                    if (K32 == a.K) return;
                     float* cf = static_cast<float*>(cm);
-                    for (int64_t r = 0; r < rows; r += kRowTile)
-                      micro_dispatch(std::min(kRowTile, rows - r), a.x + (m + r) * a.ldx + K32,
-                                     a.ldx, panel + K32 * kPanel, kp_total - K32 / 2,
-                                     cf + r * kPanel, K32 > 0);
+                    if (K32 != a.K)
+                      for (int64_t r = 0; r < rows; r += kRowTile)
+                        micro_dispatch(std::min(kRowTile, rows - r), a.x + (m + r) * a.ldx + K32,
+                                       a.ldx, panel + K32 * kPanel, kp_total - K32 / 2,
+                                       cf + r * kPanel, K32 > 0);
+                    gemm_epilogue(a, m, m + rows, p, cf);
                   });
-  gemm_epilogue(a, m0, m1, p, c);
 }
 
 // gemm_int8.h's int32 sums on AMX tiles (vpdpbusd's products and sums, so the same numbers):
-// the last K_pad % 64 inputs are added on the AVX512-VNNI kernel.
+// the last K_pad % 64 inputs are added on the AVX512-VNNI kernel; epilogue(r0, r1, c) then
+// takes rows [r0, r1)'s sums (c: row r0's), up to 32 rows at a time.
 // next_p: the panel of the thread's next item (-1: none), prefetched.
+template <class Epilogue>
 PAGEDLLM_AMX_TARGET static void gemm_int8_sums_amx(const Int8GemmArgs& a, int64_t m0,
                                                    int64_t m1, int64_t p, int32_t* c,
-                                                   int64_t next_p) {
+                                                   int64_t next_p, Epilogue&& epilogue) {
   const int64_t kbytes = a.Kq * 4, K64 = kbytes / 64 * 64, panel_bytes = kbytes * kPanel;
   const int8_t* panel = a.w + p * panel_bytes;
   amx_rows<true>(reinterpret_cast<const char*>(a.xq), a.ldx,
@@ -252,12 +256,14 @@ PAGEDLLM_AMX_TARGET static void gemm_int8_sums_amx(const Int8GemmArgs& a, int64_
                  next_p < 0 ? nullptr : reinterpret_cast<const char*>(a.w + next_p * panel_bytes),
                  panel_bytes,
                  [&](int64_t m, int64_t rows, void* cm) {
-                   if (K64 == kbytes) return;
                    int32_t* ci = static_cast<int32_t*>(cm);
-                   for (int64_t r = 0; r < rows; r += kRowTile)
-                     micro_u8s8_dispatch(std::min(kRowTile, rows - r), a.xq + (m + r) * a.ldx + K64,
-                                         a.ldx, panel + K64 * kPanel, (kbytes - K64) / 4,
-                                         ci + r * kPanel, K64 > 0);
+                   if (K64 != kbytes)
+                     for (int64_t r = 0; r < rows; r += kRowTile)
+                       micro_u8s8_dispatch(std::min(kRowTile, rows - r),
+                                           a.xq + (m + r) * a.ldx + K64, a.ldx,
+                                           panel + K64 * kPanel, (kbytes - K64) / 4,
+                                           ci + r * kPanel, K64 > 0);
+                   epilogue(m, m + rows, ci);
                  });
 }
 

@@ -238,8 +238,9 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     });
     if (use_amx(M)) {
       for_amx_items<int32_t>(M, n, K_pad, [&](int64_t m0, int64_t m1, int64_t p, int32_t* c, int64_t next_p) {
-        gemm_int8_sums_amx(a, m0, m1, p, c, next_p);
-        int8_epilogue(a, E{}, m0, m1, p, c);
+        gemm_int8_sums_amx(a, m0, m1, p, c, next_p, [&](int64_t r0, int64_t r1, const int32_t* cr) {
+          int8_epilogue(a, E{}, r0, r1, p, cr);
+        });
       });
     } else {
       for_gemm_items<int32_t>(M, n, [&](int64_t m0, int64_t m1, int64_t p, int32_t* c) {
