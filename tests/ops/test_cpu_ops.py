@@ -136,6 +136,23 @@ def test_linear_reads_strided_rows():
     torch.testing.assert_close(y, F.linear(x.float(), w.float()), rtol=1e-4, atol=1e-4)
 
 
+@needs_bf16
+@pytest.mark.parametrize("m", [1, 2, 17, 33, 97, 600])
+@pytest.mark.parametrize("n,k", [(128, 64), (3072, 576), (256, 770)])
+def test_linear_silu_mul_is_silu_and_mul_of_linear(m, n, k):
+    """The gate / up product with SiLU x mul in its epilogue gives the bits of the two ops
+    (one row, AMX tiles' halves and leftovers, a K tail past a multiple of 32, several items
+    a thread), with and without a bias, from strided rows too."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k + 8, generator=g).to(BF16)[:, :k]
+    panels = to_panels((torch.randn(n, k, generator=g) * 0.1).to(BF16))
+    for bias in (None, torch.randn(n, generator=g).to(BF16)):
+        ref = ops.silu_and_mul(ops.linear(x, panels, bias, n, False))
+        assert torch.equal(ops.linear_silu_mul(x, panels, bias, n), ref)
+    with pytest.raises(RuntimeError, match="n = 2 x a multiple of 64, got 96"):
+        ops.linear_silu_mul(x, to_panels(torch.randn(96, k).to(BF16)), None, 96)
+
+
 @needs_avx2
 def test_linear_int8_reads_strided_rows():
     x = torch.randn(5, 96).to(BF16)[:, :64]  # rows 96 apart

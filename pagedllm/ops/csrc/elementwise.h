@@ -160,14 +160,17 @@ PAGEDLLM_BF16_TARGET static inline __m512 exp16(__m512 x) {
 // SiLU x mul's bf16 row (silu_and_mul_row_t's formula: silu rounded to bf16, times up, rounded)
 // with exp16: 1.3x the portable row's speed on 64 rows of 1,536 (its exps, one rounding each
 // step, dominate; a division stays a division, as the portable row's).
+// round(silu(g)) * u on 16 lanes of bf16 values g and u (the product before its rounding).
+PAGEDLLM_BF16_TARGET static inline __m512 silu_mul16(__m512 g, __m512 u) {
+  const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  return _mm512_mul_ps(round16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e))), u);
+}
+
 PAGEDLLM_BF16_TARGET static void silu_and_mul_row_bf16(uint16_t* out, const uint16_t* x,
                                                        int64_t d) {
   for (int64_t i = 0; i < d; i += 16) {
     const __mmask16 m = lanes16(i, d);
-    const __m512 g = load16(x + i, m);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-    const __m512 s = round16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-    store16(out + i, _mm512_mul_ps(s, load16(x + d + i, m)), m);
+    store16(out + i, silu_mul16(load16(x + i, m), load16(x + d + i, m)), m);
   }
 }
 

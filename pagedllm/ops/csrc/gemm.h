@@ -126,8 +126,8 @@ PAGEDLLM_BF16_TARGET static void gemm_epilogue(
   }
 }
 
-// Rows [m0, m1) x panel p: K-chunks, 6-row tiles, then the epilogue (bias, store).
-PAGEDLLM_BF16_TARGET static void gemm_item(
+// Rows [m0, m1) x panel p's fp32 sums into c (kPanel a row): K-chunks, 6-row tiles.
+PAGEDLLM_BF16_TARGET static void gemm_sums(
     const GemmArgs& a, int64_t m0, int64_t m1, int64_t p, float* c) {
   const int64_t kp_total = a.K / 2;
   for (int64_t kp0 = 0; kp0 < kp_total; kp0 += kKChunk) {
@@ -139,6 +139,12 @@ PAGEDLLM_BF16_TARGET static void gemm_item(
                      c + (m - m0) * kPanel, kp0 > 0);
     }
   }
+}
+
+// Rows [m0, m1) x panel p: the sums, then the epilogue (bias, store).
+PAGEDLLM_BF16_TARGET static void gemm_item(
+    const GemmArgs& a, int64_t m0, int64_t m1, int64_t p, float* c) {
+  gemm_sums(a, m0, m1, p, c);
   gemm_epilogue(a, m0, m1, p, c);
 }
 

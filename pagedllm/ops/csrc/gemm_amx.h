@@ -191,6 +191,21 @@ PAGEDLLM_AMX_TARGET static inline void amx_tile_rows(const char* x, int64_t ldx,
 
 #undef PAGEDLLM_AMX_DOT
 
+// c = rows (<= 32) of x x a panel over the first kbytes bytes of each row (a multiple of 64).
+template <bool INT8>
+PAGEDLLM_AMX_TARGET static inline void amx_tile(const char* x, int64_t ldx, const char* panel,
+                                                int64_t kbytes, int64_t rows, void* c,
+                                                AmxPrefetch& next) {
+  if (kbytes == 0) return;
+  const int rows0 = static_cast<int>(std::min(kAmxRows, rows));
+  const int rows1 = static_cast<int>(rows - rows0);
+  amx_configure(rows0, rows1);
+  if (rows1 > 0)
+    amx_tile_rows<true, INT8>(x, ldx, panel, kbytes, c, next);
+  else
+    amx_tile_rows<false, INT8>(x, ldx, panel, kbytes, c, next);
+}
+
 // Rows [m0, m1) x one panel on tiles, 32 rows at a time, over the first kbytes bytes of each
 // row of x (a multiple of 64). Each 32-row tile's sums land at the start of c (32 x kPanel)
 // and tail(m, rows, c) finishes those rows (the rest of K, the epilogue) while they are in
@@ -206,17 +221,20 @@ PAGEDLLM_AMX_TARGET static inline void amx_rows(const char* x, int64_t ldx, cons
   AmxPrefetch next(next_panel, panel_bytes, row_tiles * 2 * (kbytes / 64));  // 2 halves
   for (int64_t m = m0; m < m1; m += 2 * kAmxRows) {
     const int64_t rows = std::min(2 * kAmxRows, m1 - m);
-    const int rows0 = static_cast<int>(std::min(kAmxRows, rows));
-    const int rows1 = static_cast<int>(rows - rows0);
-    if (kbytes > 0) {
-      amx_configure(rows0, rows1);
-      if (rows1 > 0)
-        amx_tile_rows<true, INT8>(x + m * ldx, ldx, panel, kbytes, c, next);
-      else
-        amx_tile_rows<false, INT8>(x + m * ldx, ldx, panel, kbytes, c, next);
-    }
+    amx_tile<INT8>(x + m * ldx, ldx, panel, kbytes, rows, c, next);
     tail(m, rows, c);
   }
+}
+
+// Rows [m, m + rows)'s sums c over a bf16 panel: the last K % 32 inputs, on gemm.h's
+// AVX512-BF16 kernel (nothing when K is a multiple of 32).
+PAGEDLLM_AMX_TARGET static inline void amx_k_tail(const GemmArgs& a, int64_t m, int64_t rows,
+                                                  const uint16_t* panel, float* c) {
+  const int64_t K32 = a.K / kAmxK * kAmxK;
+  if (K32 == a.K) return;
+  for (int64_t r = 0; r < rows; r += kRowTile)
+    micro_dispatch(std::min(kRowTile, rows - r), a.x + (m + r) * a.ldx + K32, a.ldx,
+                   panel + K32 * kPanel, (a.K - K32) / 2, c + r * kPanel, K32 > 0);
 }
 
 // gemm.h's gemm_item on AMX tiles: rows [m0, m1) x panel p, with the same epilogue. The
@@ -232,11 +250,7 @@ PAGEDLLM_AMX_TARGET static void gemm_item_amx(const GemmArgs& a, int64_t m0, int
                   panel_elems * 2,
                   [&](int64_t m, int64_t rows, void* cm) {
                     float* cf = static_cast<float*>(cm);
-                    if (K32 != a.K)
-                      for (int64_t r = 0; r < rows; r += kRowTile)
-                        micro_dispatch(std::min(kRowTile, rows - r), a.x + (m + r) * a.ldx + K32,
-                                       a.ldx, panel + K32 * kPanel, kp_total - K32 / 2,
-                                       cf + r * kPanel, K32 > 0);
+                    amx_k_tail(a, m, rows, panel, cf);
                     gemm_epilogue(a, m, m + rows, p, cf);
                   });
 }

@@ -19,6 +19,7 @@
 #include "gemm_amx.h"
 #include "gemm_f32.h"
 #include "gemm_int8.h"
+#include "gemm_silu.h"
 
 namespace pagedllm {
 namespace {
@@ -139,6 +140,38 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
   } else {
     for_gemm_items<float>(M, n, [&](int64_t m0, int64_t m1, int64_t p, float* c) {
       gemm_item(a, m0, m1, p, c);
+    });
+  }
+  return out;
+}
+
+// silu_and_mul(linear(x, w, bias, n)) in one pass (gemm_silu.h): w packed as for linear, its
+// n = 2 I rows the gate rows then the up rows, I a multiple of 64; the [M, I] result in bf16,
+// written into `into`'s rows when given. The same bits as the two ops.
+at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& w,
+                           const c10::optional<at::Tensor>& bias, int64_t n,
+                           at::Tensor* into = nullptr) {
+  TORCH_CHECK(cpu_has_avx512_bf16(), "pagedllm::linear_silu_mul needs AVX512-BF16");
+  check_rows(x, "x");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % 2 == 0, "in_features must be even");
+  TORCH_CHECK(n % (2 * kPanel) == 0, "linear_silu_mul: n = 2 x a multiple of 64, got ", n);
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.dim() == 4 &&
+                  w.size(0) * kPanel == n && w.size(1) * 2 == K && w.size(2) == kPanel &&
+                  w.size(3) == 2,
+              "w must be bfloat16 packed [n / 64, K / 2, 64, 2]");
+  if (bias) TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == n, "bias: bfloat16 [n]");
+  at::Tensor out = output_rows(into, M, n / 2, x.options());
+  if (M == 0) return out;
+  GemmArgs a{bf16_ptr(x), M, K, x.stride(0), bf16_ptr(w), bias ? bf16_ptr(*bias) : nullptr,
+             n, out.data_ptr(), false, out.stride(0)};
+  if (use_amx(M)) {
+    for_amx_items<float>(M, n / 2, 2 * K, [&](int64_t m0, int64_t m1, int64_t p, float* c, int64_t next_p) {
+      gemm_silu_item_amx(a, m0, m1, p, c, next_p);
+    });
+  } else {
+    for_gemm_items<float>(M, n / 2, [&](int64_t m0, int64_t m1, int64_t p, float* c) {
+      gemm_silu_item(a, m0, m1, p, c);
     });
   }
   return out;
@@ -534,10 +567,13 @@ at::Tensor attention_out_mlp(
     const c10::optional<at::Tensor>& down_bias, int64_t down_n) {
   at::Tensor o = project(attn.contiguous(), o_kind, o_w, o_scale, o_colsum, o_bias, o_n);
   at::Tensor h = rms_norm_impl(o, &residual, norm_weight, eps);
+  // bf16 panels (I a multiple of 64): SiLU x mul inside the gate / up product.
+  const bool fused_silu = gu_kind == 2 && gu_n % (2 * kPanel) == 0;
   auto mlp = [&](const at::Tensor& rows, at::Tensor* into) {
-    at::Tensor gate_up = project(rows, gu_kind, gu_w, gu_scale, gu_colsum, gu_bias, gu_n);
-    return project(silu_and_mul(gate_up), down_kind, down_w, down_scale, down_colsum,
-                   down_bias, down_n, into);
+    at::Tensor act = fused_silu
+                         ? linear_silu_mul(rows, gu_w, gu_bias, gu_n)
+                         : silu_and_mul(project(rows, gu_kind, gu_w, gu_scale, gu_colsum, gu_bias, gu_n));
+    return project(act, down_kind, down_w, down_scale, down_colsum, down_bias, down_n, into);
   };
   // A prefill's MLP in row chunks: its [T, 2 * I] intermediate and the widened activations
   // stay a few MB (in cache, reused by the allocator) instead of tens of MB mapped and
@@ -600,6 +636,9 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def("cpu_has_avx2_fma() -> bool", &pagedllm::cpu_has_avx2_fma);
   m.def("cpu_has_amx() -> bool", &pagedllm::amx_usable);
   // GEMMs: CPU kernels (not catch-alls) so that build.py can give them fakes for torch.compile.
+  m.def("linear_silu_mul(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor",
+        [](const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+           int64_t n) { return pagedllm::linear_silu_mul(x, w, bias, n); });
   m.def("linear_avx2(Tensor x, Tensor w, Tensor? bias, int n, bool out_fp32) -> Tensor");
   m.def("linear(Tensor x, Tensor w, Tensor? bias, int n, bool out_fp32) -> Tensor",
         [](const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
