@@ -50,14 +50,17 @@ def _madvise():
 
 class KVPrefaulter:
     """Populates the pages of paged KV tensors `[2, num_blocks, ...]` (contiguous, on the CPU)
-    a piece per `step`, block range by block range in block-id order."""
+    a piece per `step`, block range by block range in block-id order. `block_dim`: the
+    backend's block axis (`kv_block_dim`); caches of another layout are left alone."""
 
-    def __init__(self, caches: list[torch.Tensor]) -> None:
+    def __init__(self, caches: list[torch.Tensor], block_dim: int = 1) -> None:
         # One span per K or V half: (address, bytes per block).
         self._spans: list[tuple[int, int]] = []
         self._num_blocks = 0
         for cache in caches:
             if cache.device.type != "cpu" or not cache.is_contiguous() or cache.dim() < 2:
+                continue
+            if block_dim != 1:
                 continue
             num_blocks = cache.shape[1]
             block_bytes = cache[0, 0].numel() * cache.element_size()

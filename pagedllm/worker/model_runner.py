@@ -186,7 +186,8 @@ class ModelRunner:
             self.drafter.initialize_kv_cache(num_blocks, self.attn_backend)
         if self.device.type == "cpu":
             drafts = getattr(self.drafter, "kv_caches", [])  # a draft model's / EAGLE's
-            self.kv_prefaulter = KVPrefaulter(self.kv_caches + drafts)
+            block_dim = kv_block_dim(self.attn_backend)
+            self.kv_prefaulter = KVPrefaulter(self.kv_caches + drafts, block_dim)
         if self.kv_connector is not None:
             layers = get_attention_layers(self.model)
             self.kv_connector.register_kv_caches(

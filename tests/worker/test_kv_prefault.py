@@ -71,6 +71,7 @@ def test_prefault_populates_every_page_in_block_order_and_keeps_contents():
     expected[1][1, 2999] = -2.0
     assert all(torch.equal(c, e) for c, e in zip(caches, expected))
     assert not pre.step()
+    assert not KVPrefaulter([kv_cache(64)], block_dim=0).pending  # a layout it does not know
 
 
 def test_prefault_can_be_turned_off(monkeypatch):
