@@ -116,26 +116,6 @@ PAGEDLLM_AVX2_TARGET static inline float hmax8(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
-// exp_approx on 8 lanes (the same reduction and polynomial, FMAs for the polynomial steps).
-PAGEDLLM_AVX2_TARGET static inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  const __m256 big = _mm256_set1_ps(12582912.f);
-  const __m256 n = _mm256_sub_ps(
-      _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), big), big);
-  const __m256 r = _mm256_add_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))),
-                                 _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
-  const __m256i bits =
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-
 // Each of the G rows of scores [G, L] in place -> exp(score - the row's max); inv[g] = 1 / the
 // row's sum (the caller scales the outputs instead of the probabilities).
 PAGEDLLM_AVX2_TARGET static void softmax_rows_avx2(float* scores, int64_t G, int64_t L,
@@ -523,28 +503,6 @@ PAGEDLLM_AVX2_TARGET static void prefill_item_avx2(const DecodeAttnArgs<E>& a, c
 // A key block's 16 scores are one vector, and a row's softmax step and P V take half the
 // instructions. A query vector's arithmetic is still its own (the same in any batch or chunk);
 // its sums differ from the AVX2 kernel's only in the order of each row's 16-term sum of p.
-
-#define PAGEDLLM_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
-
-// exp8 on 16 lanes (the same steps).
-PAGEDLLM_AVX512_TARGET static inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-  const __m512 big = _mm512_set1_ps(12582912.f);
-  const __m512 n = _mm512_sub_ps(
-      _mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), big), big);
-  const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
-                                 _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  const __m512i bits =
-      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
 
 // prefill_item_avx2 for head size D = 16 C.
 template <class E, int C>

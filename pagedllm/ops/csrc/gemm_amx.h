@@ -131,8 +131,10 @@ struct AmxPrefetch {
   const char* end = nullptr;  // end of the panel
   int64_t step_bytes = 0;     // bytes requested per k-step
 
-  // Spreads bytes at next over `steps` k-steps (next null: nothing to fetch).
-  AmxPrefetch(const char* next, int64_t bytes, int64_t steps) {
+  // Spreads bytes at next (null: nothing to fetch) over the k-steps of `rows` rows on tiles
+  // over kbytes bytes of K: per 32-row tile, two panel halves of kbytes / 64 steps.
+  AmxPrefetch(const char* next, int64_t bytes, int64_t rows, int64_t kbytes) {
+    const int64_t steps = (rows + 2 * kAmxRows - 1) / (2 * kAmxRows) * 2 * (kbytes / 64);
     if (!next || steps <= 0) return;
     at = next;
     end = next + bytes;
@@ -217,8 +219,7 @@ PAGEDLLM_AMX_TARGET static inline void amx_rows(const char* x, int64_t ldx, cons
                                                 int64_t kbytes, int64_t m0, int64_t m1, void* c,
                                                 const char* next_panel, int64_t panel_bytes,
                                                 Tail&& tail) {
-  const int64_t row_tiles = (m1 - m0 + 2 * kAmxRows - 1) / (2 * kAmxRows);
-  AmxPrefetch next(next_panel, panel_bytes, row_tiles * 2 * (kbytes / 64));  // 2 halves
+  AmxPrefetch next(next_panel, panel_bytes, m1 - m0, kbytes);
   for (int64_t m = m0; m < m1; m += 2 * kAmxRows) {
     const int64_t rows = std::min(2 * kAmxRows, m1 - m);
     amx_tile<INT8>(x + m * ldx, ldx, panel, kbytes, rows, c, next);

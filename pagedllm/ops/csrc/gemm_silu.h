@@ -53,10 +53,9 @@ PAGEDLLM_AMX_TARGET static void gemm_silu_item_amx(const GemmArgs& a, int64_t m0
   const uint16_t* gate_panel = a.w + p * panel_elems;
   const uint16_t* up_panel = a.w + (p + up) * panel_elems;
   auto at = [](const uint16_t* w) { return reinterpret_cast<const char*>(w); };
-  const int64_t steps = (m1 - m0 + 2 * kAmxRows - 1) / (2 * kAmxRows) * 2 * (kbytes / 64);
   const uint16_t* next = next_p < 0 ? nullptr : a.w + next_p * panel_elems;
-  AmxPrefetch next_gate(next ? at(next) : nullptr, panel_elems * 2, steps);
-  AmxPrefetch next_up(next ? at(next + up * panel_elems) : nullptr, panel_elems * 2, steps);
+  AmxPrefetch next_gate(next ? at(next) : nullptr, panel_elems * 2, m1 - m0, kbytes);
+  AmxPrefetch next_up(next ? at(next + up * panel_elems) : nullptr, panel_elems * 2, m1 - m0, kbytes);
   const char* x = reinterpret_cast<const char*>(a.x);
   for (int64_t m = m0; m < m1; m += 2 * kAmxRows) {
     const int64_t rows = std::min(2 * kAmxRows, m1 - m);
