@@ -29,6 +29,7 @@ import socket
 import struct
 import tempfile
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing import shared_memory
@@ -116,6 +117,9 @@ class MessageQueue:
         )
         self._n_remote = n_reader - len(local)
         self._next = 0
+        self._release = weakref.finalize(
+            self, _release, self._socket, self._ctx, self._shm, self._ipc_dir
+        )
 
     def _map(self, buf: Any, max_chunks: int, max_chunk_bytes: int, n_local: int) -> None:
         self._buf = buf
@@ -165,6 +169,7 @@ class MessageQueue:
             self._file = None
             self._socket.setsockopt(zmq.SUBSCRIBE, _TOPIC_REMOTE)
             self._socket.connect(handle.remote_address)
+        self._release = weakref.finalize(self, _release, self._socket, self._ctx, None, None)
         return self
 
     def wait_until_ready(self, timeout_s: float = 120.0) -> None:
@@ -279,20 +284,28 @@ class MessageQueue:
         for name in ("_chunk_seq", "_read_seq", "_asleep"):
             self.__dict__.pop(name, None)  # numpy views of the mapping go first
         buf = self.__dict__.pop("_buf", None)
-        self._socket.close(linger=0)
-        self._ctx.term()
-        if self._shm is not None:
-            del buf
-            with contextlib.suppress(BufferError):  # a stray view: freed with it
-                self._shm.close()
-            with contextlib.suppress(FileNotFoundError):
-                self._shm.unlink()
-        elif buf is not None:
+        if self._shm is None and buf is not None:
             with contextlib.suppress(BufferError):
                 buf.close()
             self._file.close()
-        if self._ipc_dir is not None:
-            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        del buf
+        self._release()
+
+
+def _release(sock: zmq.Socket, ctx: zmq.Context, shm: Any, ipc_dir: str | None) -> None:
+    """Free a queue's socket and context, and the writer's segment and ipc directory: from
+    `close()`, or when a queue is collected unclosed (say, in a reference cycle of an engine
+    whose start-up failed). The finalizer holds the socket: pyzmq would otherwise finalize the
+    context first, and its `term()` waits forever for the socket still open."""
+    sock.close(linger=0)
+    ctx.term()
+    if shm is not None:
+        with contextlib.suppress(BufferError):  # a stray view: freed with it
+            shm.close()
+        with contextlib.suppress(FileNotFoundError):
+            shm.unlink()
+    if ipc_dir is not None:
+        shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
 def _spin_until(ready, timeout_s: float | None, what: str) -> None:

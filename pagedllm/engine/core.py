@@ -45,10 +45,15 @@ class EngineCore:
 
             KVConnectorFactory.prepare(config)  # before the worker and scheduler sides exist
         self.executor = (executor_class or Executor.get_class(config))(config)
-        self.num_blocks = self._initialize_kv_cache()
-        # Lazy: loads the tokenizer and xgrammar only when a structured request arrives.
-        self.structured_output_manager = StructuredOutputManager(config)
-        self.scheduler = Scheduler(config, self.structured_output_manager)
+        try:
+            self.num_blocks = self._initialize_kv_cache()
+            # Lazy: loads the tokenizer and xgrammar only when a structured request arrives.
+            self.structured_output_manager = StructuredOutputManager(config)
+            self.scheduler = Scheduler(config, self.structured_output_manager)
+        except BaseException:
+            # No worker process (nor its queues) outlives a start-up that failed here.
+            self.executor.shutdown()
+            raise
         # Pipeline parallel: batches in flight, newest first (see the module docstring).
         self.max_concurrent_batches = self.executor.max_concurrent_batches
         self.batch_queue: deque[tuple[Future[ModelRunnerOutput], SchedulerOutput]] = deque()

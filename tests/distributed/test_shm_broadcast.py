@@ -3,7 +3,11 @@ order, through ring wrap-around, oversized messages and readers that fell asleep
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -82,3 +86,32 @@ def test_full_ring_blocks_the_writer():
     assert [reader.dequeue(timeout_s=5), reader.dequeue(timeout_s=5)] == [2, 3]
     reader.close()
     mq.close()
+
+
+def test_unclosed_queues_in_a_cycle_are_collected_without_blocking():
+    """A writer and a reader never closed, held only by a reference cycle (as an engine whose
+    start-up failed holds its executor's queues): garbage collection frees their sockets,
+    contexts and the segment instead of blocking forever in a ZMQ context's term(). Runs in a
+    child so that a regression fails here rather than hanging the suite."""
+    code = """
+import gc, os, sys
+from pagedllm.distributed.shm_broadcast import MessageQueue
+class Holder: pass
+h = Holder(); h.cycle = h
+h.writer = MessageQueue(1)
+h.reader = MessageQueue.create_from_handle(h.writer.export_handle(), 0)
+shm = "/dev/shm/" + h.writer.export_handle().shm_name.lstrip("/")
+ipc = h.writer.export_handle().local_address.removeprefix("ipc://")
+assert os.path.exists(shm) and os.path.exists(ipc)
+del h
+gc.collect()
+assert not os.path.exists(shm) and not os.path.exists(ipc), "segment or ipc socket left"
+print("COLLECTED")
+"""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env=env, timeout=60)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        pytest.fail("garbage collection of unclosed message queues blocked")
+    assert done.returncode == 0 and "COLLECTED" in done.stdout, done.stderr[-2000:]

@@ -5,6 +5,7 @@ is killed or fails makes the engine raise within seconds and leaves no worker be
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import re
@@ -188,3 +189,28 @@ def _engine_args(model_dir: str, **kwargs):
     from pagedllm.engine.arg_utils import EngineArgs
 
     return EngineArgs(model=model_dir, dtype="float32", kv_cache_memory_bytes=4 << 20, **kwargs)
+
+
+def test_failed_start_up_leaves_no_worker_nor_open_queue(tiny_llama_dir):
+    """A start-up that fails after the workers are up (here: a KV cache too small for
+    max_model_len) stops them and frees their queues before the error reaches the user."""
+    import multiprocessing
+
+    import zmq
+
+    def open_contexts() -> int:
+        gc.collect()
+        return sum(isinstance(o, zmq.Context) and not o.closed for o in gc.get_objects())
+
+    def workers() -> set[int]:
+        return {p.pid for p in multiprocessing.active_children() if p.name.startswith("Worker-")}
+
+    before, workers_before = open_contexts(), workers()  # other tests' engines may be up
+    with pytest.raises(ValueError, match="fewer than one request of max_model_len=512"):
+        LLMEngine.from_engine_args(
+            _engine_args(
+                tiny_llama_dir, tensor_parallel_size=2, max_model_len=512, num_gpu_blocks_override=2
+            )  # fmt: skip
+        )
+    assert workers() == workers_before
+    assert open_contexts() == before
