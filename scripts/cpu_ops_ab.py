@@ -1,0 +1,120 @@
+"""A/B of two versions of pagedllm's native CPU kernels in one process: this checkout's and a
+git revision's, alternated round by round on SmolLM2-shaped projections (the 120 products of
+`cpu_projections.py`: QKV, O, gate / up with SiLU, down, 30 layers of random bf16 weights).
+
+    python scripts/cpu_ops_ab.py REV [ROWS ...] [--rounds 11]
+
+On shared machines whose speed swings 2-3x from one minute to the next, two processes timed one
+after the other compare phases of the machine more than kernels; alternating the two versions
+inside one process, a pass each, compares them under the same conditions. REV's `csrc` is
+taken with `git show`, its operator library and C++ namespace renamed (`pagedllm_ab`), built
+once into pagedllm's cache directory, and loaded next to this checkout's. Both versions must
+read the same weight layout (this checkout's `to_panels`); their outputs are compared first
+(equal bits expected unless a change means to alter them; the largest difference is printed).
+Prints per row count the medians, and the median of the per-round ratios (REV time / this
+checkout's time: above 1, this checkout is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from pagedllm.layers.cpu_gemm import to_panels
+from pagedllm.ops import cpu_ops
+from pagedllm.ops.build import CFLAGS, build_dir
+
+REPO = Path(__file__).resolve().parents[1]
+CSRC = "pagedllm/ops/csrc"
+HIDDEN, INTER, Q, KV, LAYERS = 576, 1536, 576, 192, 30
+SHAPES = [(Q + 2 * KV, HIDDEN), (HIDDEN, Q), (2 * INTER, HIDDEN), (HIDDEN, INTER)]  # (n, k)
+
+
+def build_revision(rev: str) -> str:
+    """Build REV's kernels as operator namespace `pagedllm_ab`; returns the namespace."""
+    sha = subprocess.run(["git", "rev-parse", rev], cwd=REPO, capture_output=True, text=True,
+                         check=True).stdout.strip()  # fmt: skip
+    names = subprocess.run(["git", "ls-tree", "--name-only", f"{sha}:{CSRC}"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    key = hashlib.sha256(f"{' '.join(CFLAGS)} {torch.__version__}".encode()).hexdigest()[:8]
+    out = build_dir().parent / f"ab-{sha[:12]}-{key}"
+    src = out / "csrc"
+    library = out / "pagedllm_ab_ops.so"
+    if not library.exists():
+        src.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            text = subprocess.run(["git", "show", f"{sha}:{CSRC}/{name}"], cwd=REPO,
+                                  capture_output=True, text=True, check=True).stdout  # fmt: skip
+            text = text.replace("TORCH_LIBRARY(pagedllm,", "TORCH_LIBRARY(pagedllm_ab,")
+            text = text.replace("TORCH_LIBRARY_IMPL(pagedllm,", "TORCH_LIBRARY_IMPL(pagedllm_ab,")
+            text = text.replace("namespace pagedllm", "namespace pagedllm_ab")
+            text = text.replace("pagedllm::", "pagedllm_ab::")
+            (src / name).write_text(text)
+        from torch.utils.cpp_extension import load
+
+        load(name="pagedllm_ab_ops", sources=[str(src / "ops.cpp")], extra_cflags=CFLAGS,
+             extra_ldflags=["-fopenmp"], extra_include_paths=[str(src)], build_directory=str(out),
+             is_python_module=False)  # fmt: skip
+    else:
+        torch.ops.load_library(str(library))
+    return "pagedllm_ab"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("rev", help="git revision to compare this checkout's kernels with")
+    parser.add_argument("rows", type=int, nargs="*", default=[1, 64, 512])
+    parser.add_argument("--rounds", type=int, default=11)
+    args = parser.parse_args()
+    if cpu_ops() is None:
+        sys.exit("needs pagedllm's native kernels")
+    versions = {"this": torch.ops.pagedllm, args.rev: getattr(torch.ops, build_revision(args.rev))}
+    weights = [
+        [to_panels((torch.randn(n, k) * 0.05).bfloat16()) for n, k in SHAPES] for _ in range(LAYERS)
+    ]
+    inputs = {m: {k: torch.randn(m, k).bfloat16() for _, k in SHAPES} for m in args.rows}
+
+    def products(ops, m: int) -> list[torch.Tensor]:
+        out = []
+        for layer in weights:
+            for (n, k), w in zip(SHAPES, layer):
+                if n == 2 * INTER and hasattr(ops, "linear_silu_mul"):
+                    # the MLP's gate / up with SiLU x mul, as the layers run it
+                    out.append(ops.linear_silu_mul(inputs[m][k], w, None, n))
+                elif n == 2 * INTER:  # before the fused op (9dcd9c8): the same bits
+                    out.append(ops.silu_and_mul(ops.linear(inputs[m][k], w, None, n, False)))
+                else:
+                    out.append(ops.linear(inputs[m][k], w, None, n, False))
+        return out
+
+    for m in args.rows:
+        a, b = (products(ops, m) for ops in versions.values())
+        diff = max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b))
+        print(f"rows {m:5d}: outputs {'identical' if diff == 0 else f'differ by up to {diff:.3g}'}")
+    seconds = {(m, v): [] for m in args.rows for v in versions}
+    for r in range(args.rounds):
+        for m in args.rows:
+            order = list(versions.items())
+            for name, ops in order if r % 2 else order[::-1]:
+                start = time.perf_counter()
+                products(ops, m)
+                seconds[m, name].append(time.perf_counter() - start)
+    for m in args.rows:
+        this, base = seconds[m, "this"], seconds[m, args.rev]
+        ratios = sorted(b / t for b, t in zip(base, this))
+        print(
+            f"rows {m:5d}: {args.rev} {statistics.median(base) * 1e3:8.2f} ms  this "
+            f"{statistics.median(this) * 1e3:8.2f} ms  speed-up {statistics.median(ratios):.3f} "
+            f"(rounds {ratios[0]:.2f} .. {ratios[-1]:.2f})"
+        )
+
+
+if __name__ == "__main__":
+    main()
