@@ -3,9 +3,11 @@ own, so they stream from memory as in a real step) on pagedllm's panel GEMMs, at
 counts: milliseconds for all 120 products (median of the rounds), the weights' GB/s and the
 products' GFLOP/s. Row counts 1-64 are decode batches, larger ones prefill chunks.
 
-    python scripts/cpu_projections.py [ROWS ...] [--rounds 7]
+    python scripts/cpu_projections.py [ROWS ...] [--rounds 7] [--threads N ...]
 
-Compare two commits by running it on each, alternated.
+`--threads 1 2` times each row count at each thread count, alternated in the process (one
+core's two hyperthreads share one AMX unit: what the second thread adds). Compare two commits'
+kernels with `cpu_ops_ab.py` (one process), not by running this on each in turn.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("rows", type=int, nargs="*", default=[1, 2, 16, 64, 128, 512])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, nargs="*", default=[torch.get_num_threads()])
     args = parser.parse_args()
     if cpu_ops() is None:
         sys.exit("needs pagedllm's native kernels")
@@ -48,16 +51,21 @@ def main() -> None:
 
     for m in args.rows:
         run(m)  # warm-up
-    seconds: dict[int, list[float]] = {m: [] for m in args.rows}
-    for _ in range(args.rounds):  # row counts interleaved, so a slow phase hits them all
+    seconds: dict[tuple[int, int], list[float]] = {
+        (m, t): [] for m in args.rows for t in args.threads
+    }
+    for r in range(args.rounds):  # row counts interleaved, so a slow phase hits them all
         for m in args.rows:
-            seconds[m].append(run(m))
+            for t in args.threads if r % 2 else args.threads[::-1]:
+                torch.set_num_threads(t)
+                seconds[m, t].append(run(m))
     for m in args.rows:
-        t = statistics.median(seconds[m])
-        print(
-            f"rows {m:5d}: {t * 1e3:8.2f} ms  weights {weight_bytes / t / 1e9:5.1f} GB/s  "
-            f"{2 * m * params / t / 1e9:7.0f} GFLOP/s"
-        )
+        for t in args.threads:
+            s = statistics.median(seconds[m, t])
+            print(
+                f"rows {m:5d}, {t} thread(s): {s * 1e3:8.2f} ms  weights "
+                f"{weight_bytes / s / 1e9:5.1f} GB/s  {2 * m * params / s / 1e9:7.0f} GFLOP/s"
+            )
 
 
 if __name__ == "__main__":
