@@ -31,10 +31,11 @@ from pagedllm.layers.cpu_gemm import to_panels
 from pagedllm.ops import cpu_ops
 from pagedllm.ops.build import CFLAGS, build_dir
 
+sys.path.insert(0, str(Path(__file__).parent))
+from cpu_projections import INTER, LAYERS, SHAPES  # noqa: E402  (the same 120 products)
+
 REPO = Path(__file__).resolve().parents[1]
 CSRC = "pagedllm/ops/csrc"
-HIDDEN, INTER, Q, KV, LAYERS = 576, 1536, 576, 192, 30
-SHAPES = [(Q + 2 * KV, HIDDEN), (HIDDEN, Q), (2 * INTER, HIDDEN), (HIDDEN, INTER)]  # (n, k)
 
 
 def build_revision(rev: str) -> str:

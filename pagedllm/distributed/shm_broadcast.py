@@ -117,7 +117,7 @@ class MessageQueue:
         )
         self._n_remote = n_reader - len(local)
         self._next = 0
-        self._release = weakref.finalize(
+        self._finalizer = weakref.finalize(
             self, _release, self._socket, self._ctx, self._shm, self._ipc_dir
         )
 
@@ -169,7 +169,7 @@ class MessageQueue:
             self._file = None
             self._socket.setsockopt(zmq.SUBSCRIBE, _TOPIC_REMOTE)
             self._socket.connect(handle.remote_address)
-        self._release = weakref.finalize(self, _release, self._socket, self._ctx, None, None)
+        self._finalizer = weakref.finalize(self, _release, self._socket, self._ctx, None, None)
         return self
 
     def wait_until_ready(self, timeout_s: float = 120.0) -> None:
@@ -289,7 +289,7 @@ class MessageQueue:
                 buf.close()
             self._file.close()
         del buf
-        self._release()
+        self._finalizer()
 
 
 def _release(sock: zmq.Socket, ctx: zmq.Context, shm: Any, ipc_dir: str | None) -> None:

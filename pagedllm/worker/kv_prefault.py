@@ -57,10 +57,8 @@ class KVPrefaulter:
         # One span per K or V half: (address, bytes per block).
         self._spans: list[tuple[int, int]] = []
         self._num_blocks = 0
-        for cache in caches:
+        for cache in caches if block_dim == 1 else []:
             if cache.device.type != "cpu" or not cache.is_contiguous() or cache.dim() < 2:
-                continue
-            if block_dim != 1:
                 continue
             num_blocks = cache.shape[1]
             block_bytes = cache[0, 0].numel() * cache.element_size()

@@ -6,6 +6,7 @@ is killed or fails makes the engine raise within seconds and leaves no worker be
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
 import random
 import re
@@ -13,6 +14,7 @@ import signal
 import time
 
 import pytest
+import zmq
 
 from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from pagedllm.engine.llm_engine import LLMEngine
@@ -194,9 +196,6 @@ def _engine_args(model_dir: str, **kwargs):
 def test_failed_start_up_leaves_no_worker_nor_open_queue(tiny_llama_dir):
     """A start-up that fails after the workers are up (here: a KV cache too small for
     max_model_len) stops them and frees their queues before the error reaches the user."""
-    import multiprocessing
-
-    import zmq
 
     def open_contexts() -> int:
         gc.collect()

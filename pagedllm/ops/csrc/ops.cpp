@@ -118,16 +118,22 @@ void for_amx_items(int64_t M, int64_t N, int64_t row_bytes, Item&& item) {
   for_gemm_items<Acc>(M, N, item, [] { amx_release(); }, amx_row_block(row_bytes, M, N));
 }
 
+// w: bf16 panels (gemm.h) of n outputs over K inputs: [ceil(n / 64), K / 2, 64, 2], exactly
+// n / 64 panels when `whole`.
+void check_bf16_panels(const at::Tensor& w, int64_t n, int64_t K, bool whole) {
+  TORCH_CHECK(K % 2 == 0, "in_features must be even");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.dim() == 4 &&
+                  (whole ? w.size(0) * kPanel == n : w.size(0) * kPanel >= n) &&
+                  w.size(1) * 2 == K && w.size(2) == kPanel && w.size(3) == 2,
+              "w must be bfloat16 packed [", whole ? "n / 64" : "ceil(N / 64)", ", K / 2, 64, 2]");
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                   int64_t n, bool out_fp32, at::Tensor* into = nullptr) {
   TORCH_CHECK(cpu_has_avx512_bf16(), "pagedllm::linear needs AVX512-BF16");
   check_rows(x, "x");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % 2 == 0, "in_features must be even");
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.dim() == 4 &&
-                  w.size(0) * kPanel >= n && w.size(1) * 2 == K && w.size(2) == kPanel &&
-                  w.size(3) == 2,
-              "w must be bfloat16 packed [ceil(N / 64), K / 2, 64, 2]");
+  check_bf16_panels(w, n, K, false);
   if (bias) TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == n, "bias: bfloat16 [N]");
   at::Tensor out = output_rows(into, M, n, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
   if (M == 0) return out;
@@ -154,12 +160,8 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& w,
   TORCH_CHECK(cpu_has_avx512_bf16(), "pagedllm::linear_silu_mul needs AVX512-BF16");
   check_rows(x, "x");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % 2 == 0, "in_features must be even");
   TORCH_CHECK(n % (2 * kPanel) == 0, "linear_silu_mul: n = 2 x a multiple of 64, got ", n);
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.dim() == 4 &&
-                  w.size(0) * kPanel == n && w.size(1) * 2 == K && w.size(2) == kPanel &&
-                  w.size(3) == 2,
-              "w must be bfloat16 packed [n / 64, K / 2, 64, 2]");
+  check_bf16_panels(w, n, K, true);
   if (bias) TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == n, "bias: bfloat16 [n]");
   at::Tensor out = output_rows(into, M, n / 2, x.options());
   if (M == 0) return out;
@@ -550,24 +552,25 @@ at::Tensor attention_in(const at::Tensor& x, const c10::optional<at::Tensor>& re
                         int64_t kv_size, const at::Tensor& positions,
                         const at::Tensor& cos_sin_cache, int64_t head_size, int64_t rot) {
   TORCH_CHECK(q_size + 2 * kv_size == qkv_n, "q_size + 2 * kv_size must be the qkv width");
-  at::Tensor res = residual ? *residual : at::Tensor();
   const int64_t T = x.size(0);
-  if (T > prefill_chunk_rows()) {
-    at::Tensor qkv = at::empty({T, qkv_n}, x.options());
-    for_row_chunks(T, [&](int64_t t, int64_t rows) {
-      at::Tensor r = residual ? res.narrow(0, t, rows) : at::Tensor();
-      at::Tensor h = rms_norm_impl(x.narrow(0, t, rows), residual ? &r : nullptr, norm_weight, eps);
-      at::Tensor part = qkv.narrow(0, t, rows);
-      project(h, qkv_kind, qkv_w, qkv_scale, qkv_colsum, qkv_bias, qkv_n, &part);
-      at::Tensor q = part.narrow(1, 0, q_size), k = part.narrow(1, q_size, kv_size);
-      rotary_embedding(positions.narrow(0, t, rows), q, k, cos_sin_cache, head_size, rot);
-    });
+  at::Tensor qkv = at::empty({T, qkv_n}, x.options());
+  // Rows xr (their residual rows rr, positions pos) -> their rows out of qkv.
+  auto rows_qkv = [&](const at::Tensor& xr, at::Tensor* rr, const at::Tensor& pos, at::Tensor& out) {
+    at::Tensor h = rms_norm_impl(xr, rr, norm_weight, eps);
+    project(h, qkv_kind, qkv_w, qkv_scale, qkv_colsum, qkv_bias, qkv_n, &out);
+    at::Tensor q = out.narrow(1, 0, q_size), k = out.narrow(1, q_size, kv_size);
+    rotary_embedding(pos, q, k, cos_sin_cache, head_size, rot);
+  };
+  at::Tensor res = residual ? *residual : at::Tensor();
+  if (T <= prefill_chunk_rows()) {
+    rows_qkv(x, residual ? &res : nullptr, positions, qkv);
     return qkv;
   }
-  at::Tensor h = rms_norm_impl(x, residual ? &res : nullptr, norm_weight, eps);
-  at::Tensor qkv = project(h, qkv_kind, qkv_w, qkv_scale, qkv_colsum, qkv_bias, qkv_n);
-  at::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size);
-  rotary_embedding(positions, q, k, cos_sin_cache, head_size, rot);
+  for_row_chunks(T, [&](int64_t t, int64_t rows) {
+    at::Tensor r = residual ? res.narrow(0, t, rows) : at::Tensor();
+    at::Tensor part = qkv.narrow(0, t, rows);
+    rows_qkv(x.narrow(0, t, rows), residual ? &r : nullptr, positions.narrow(0, t, rows), part);
+  });
   return qkv;
 }
 
