@@ -3,18 +3,21 @@
 // one KV head (16 rows at a time through the tiles); the same result as the vector kernels
 // up to rounding. Per item:
 //
-// 1. The keys the item's rows see, once for all of its query heads: each 16-key block's K
-//    rows transposed to 16 x 16 bf16 pairs per 32 head dimensions (a B tile: 16 k-pairs x 16
-//    keys), its V rows interleaved in key pairs (a B tile: 8 key pairs x 16 columns; the
-//    columns come out permuted within 128-bit lanes, as in the decode kernel, and go back in
-//    place at the store). Keys past the context are zero rows.
-// 2. Per query head, its rows (zero-padded to 16) as an A tile: S = Q K^T on the tiles (fp32
-//    sums of exact bf16 products), 16 keys a tile.
+// 1. The keys the item's rows see, once for all of its query heads, in 16-key blocks (an even
+//    number of them): each block's K rows transposed to 16 x 16 bf16 pairs per 32 head
+//    dimensions (a B tile: 16 k-pairs x 16 keys), its V rows interleaved in key pairs (8 key
+//    pairs x 16 columns a column tile; the columns come out permuted within 128-bit lanes, as
+//    in the decode kernel, and go back in place at the store), a column tile's blocks one
+//    after the other, so that two blocks make one B tile of 16 key pairs. Keys past the
+//    context are zero rows.
+// 2. Per query head, its rows (zero-padded to 16) as A tiles: S = Q K^T on the tiles (fp32
+//    sums of exact bf16 products), four 16-key blocks at a time into four accumulators (one
+//    accumulator's products wait on each other; four keep the tile unit busy).
 // 3. An exact softmax per row over the keys it sees (its position, causal), on AVX-512: the
-//    weights rounded to bf16 (P, an A tile of 16 keys), their sum taken over the rounded
-//    values so that each output is a convex combination of V rows.
-// 4. O = P V on the tiles, 64 columns (4 accumulator tiles) at a time, over every key block;
-//    then divided by the sums into the output rows.
+//    weights rounded to bf16 (P, A tiles of 32 keys), their sum taken over the rounded values
+//    so that each output is a convex combination of V rows.
+// 4. O = P V on the tiles, 64 columns (4 accumulator tiles) at a time, 32 keys a step, the V
+//    tiles loaded into three registers in turn; then divided by the sums into the output rows.
 //
 // A row's arithmetic depends only on its queries and the keys it sees (tile rows do not mix),
 // so a prompt gives the same outputs whole, in chunks, or after a prefix-cache hit. Against
@@ -34,17 +37,15 @@
 
 namespace pagedllm {
 
-// The tile configuration of these kernels: tmm0-3 fp32 16 x 16 (S in tmm0, then O), tmm4 Q
-// (16 rows x 32 bf16), tmm5 K^T (16 pairs x 16 keys), tmm6 P (16 rows x 16 keys), tmm7 V
-// (8 key pairs x 16 columns).
+// The tile configuration of these kernels: all eight tiles 16 rows x 64 bytes. tmm0-3 fp32
+// accumulators (S, then O); tmm4 an A tile (Q: 16 rows x 32 bf16 dimensions; P: 16 rows x 32
+// keys); tmm5-7 B tiles (K^T: 16 dimension pairs x 16 keys; V: 16 key pairs x 16 columns).
 PAGEDLLM_AMX_TARGET static inline void amx_configure_attention() {
   constexpr int kKey = 1 << 20;  // apart from amx_configure's row-count keys
   int& loaded = amx_loaded_config();
   if (loaded == kKey) return;
   AmxTileConfig cfg;
-  for (int t = 0; t < 6; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-  cfg.rows[6] = 16, cfg.colsb[6] = 32;
-  cfg.rows[7] = 8, cfg.colsb[7] = 64;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
   _tile_loadconfig(&cfg);
   loaded = kKey;
 }
@@ -91,6 +92,41 @@ PAGEDLLM_AMX_TARGET static inline void transpose16_epi32(__m512i r[16]) {
 // kPrefillRows-row items.
 constexpr int64_t kPrefillAmxRows = 64;
 
+// S tiles j0 .. j0 + N - 1 (16-key blocks) of the Q tiles at qb: C2 A tiles (32 dimensions
+// each) against each block's K^T tiles, B tiles loaded into tmm5-7 in turn, N accumulators.
+template <int C2, int N>
+PAGEDLLM_AMX_TARGET static inline void amx_scores(const uint16_t* qb, const float* kt, int64_t j0,
+                                                  float* s, int64_t Lp) {
+  constexpr int64_t D = 32 * C2;
+  _tile_zero(0);
+  if (N > 1) _tile_zero(1);
+  if (N > 2) _tile_zero(2);
+  if (N > 3) _tile_zero(3);
+  for (int c = 0; c < C2; ++c) {
+    const float* k = kt + (j0 * C2 + c) * 256;
+    _tile_loadd(4, qb + 32 * c, D * 2);
+    _tile_loadd(5, k, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if (N > 1) {
+      _tile_loadd(6, k + C2 * 256, 64);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if (N > 2) {
+      _tile_loadd(7, k + 2 * C2 * 256, 64);
+      _tile_dpbf16ps(2, 4, 7);
+    }
+    if (N > 3) {
+      _tile_loadd(5, k + 3 * C2 * 256, 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  float* out = s + j0 * 16;
+  _tile_stored(0, out, Lp * 4);
+  if (N > 1) _tile_stored(1, out + 16, Lp * 4);
+  if (N > 2) _tile_stored(2, out + 32, Lp * 4);
+  if (N > 3) _tile_stored(3, out + 48, Lp * 4);
+}
+
 // Rows [r0, r0 + kPrefillAmxRows) of request b, KV head kvh; head size D = 32 C2 (C2 = 2, 4).
 template <int C2>
 PAGEDLLM_AMX_TARGET static void prefill_item_amx_t(const DecodeAttnArgs<Bf16>& a,
@@ -100,8 +136,8 @@ PAGEDLLM_AMX_TARGET static void prefill_item_amx_t(const DecodeAttnArgs<Bf16>& a
   constexpr int64_t D = 32 * C2, KB = 16;
   const int64_t G = a.num_heads / a.num_kv_heads, qlen = qsl[b + 1] - qsl[b];
   const int64_t ctx = a.seq_lens[b] - qlen, r1 = std::min(qlen, r0 + kPrefillAmxRows);
-  const int64_t end = ctx + r1, nblk = (end + KB - 1) / KB, Lp = nblk * KB;
-  // Scratch (floats): K^T tiles [nblk][C2][16 x 16 dwords], V tiles [nblk][2 C2][8 x 16
+  const int64_t end = ctx + r1, nblk = (end + 2 * KB - 1) / (2 * KB) * 2, Lp = nblk * KB;
+  // Scratch (floats): K^T tiles [nblk][C2][16 x 16 dwords], V tiles [2 C2][nblk][8 x 16
   // dwords], Q [16][D / 2], S [16][Lp], P [16][Lp / 2], O [16][64], row sums [16].
   const int64_t kt_n = nblk * C2 * 256, vt_n = nblk * 2 * C2 * 128;
   float* kt = prefill_amx_scratch(kt_n + vt_n + 16 * D / 2 + 16 * Lp + 8 * Lp + 16 * 64 + 16);
@@ -128,9 +164,9 @@ PAGEDLLM_AMX_TARGET static void prefill_item_amx_t(const DecodeAttnArgs<Bf16>& a
       const uint16_t* v1 = key_row(j * KB + 2 * pr + 1, true);
       for (int h = 0; h < C2; ++h) {
         const __m512i x0 = _mm512_loadu_si512(v0 + 32 * h), x1 = _mm512_loadu_si512(v1 + 32 * h);
-        float* tiles = vt + (j * 2 * C2 + 2 * h) * 128;
-        _mm512_store_si512(tiles + 16 * pr, _mm512_unpacklo_epi16(x0, x1));
-        _mm512_store_si512(tiles + 128 + 16 * pr, _mm512_unpackhi_epi16(x0, x1));
+        _mm512_store_si512(vt + ((2 * h) * nblk + j) * 128 + 16 * pr, _mm512_unpacklo_epi16(x0, x1));
+        _mm512_store_si512(vt + ((2 * h + 1) * nblk + j) * 128 + 16 * pr,
+                           _mm512_unpackhi_epi16(x0, x1));
       }
     }
   }
@@ -139,6 +175,7 @@ PAGEDLLM_AMX_TARGET static void prefill_item_amx_t(const DecodeAttnArgs<Bf16>& a
   const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t s0 = r0; s0 < r1; s0 += 16) {  // 16 rows at a time, keys up to the last one's
     const int64_t nr = std::min<int64_t>(16, r1 - s0), sblk = (ctx + s0 + nr + KB - 1) / KB;
+    const int64_t spairs = (sblk + 1) / 2;  // 32-key steps of P V
     for (int64_t g = 0; g < G; ++g) {
       const int64_t head = kvh * G + g;
       for (int64_t i = 0; i < 16; ++i)
@@ -147,14 +184,13 @@ PAGEDLLM_AMX_TARGET static void prefill_item_amx_t(const DecodeAttnArgs<Bf16>& a
                               i < nr ? _mm512_loadu_si512(a.q + (qsl[b] + s0 + i) * a.q_stride +
                                                           head * D + 32 * c)
                                      : _mm512_setzero_si512());
-      for (int64_t j = 0; j < sblk; ++j) {  // S = Q K^T
-        _tile_zero(0);
-        for (int c = 0; c < C2; ++c) {
-          _tile_loadd(4, qb + 32 * c, D * 2);
-          _tile_loadd(5, kt + (j * C2 + c) * 256, 64);
-          _tile_dpbf16ps(0, 4, 5);
-        }
-        _tile_stored(0, s + j * KB, Lp * 4);
+      int64_t j = 0;  // S = Q K^T, four blocks at a time
+      for (; j + 4 <= sblk; j += 4) amx_scores<C2, 4>(qb, kt, j, s, Lp);
+      switch (sblk - j) {
+        case 3: amx_scores<C2, 3>(qb, kt, j, s, Lp); break;
+        case 2: amx_scores<C2, 2>(qb, kt, j, s, Lp); break;
+        case 1: amx_scores<C2, 1>(qb, kt, j, s, Lp); break;
+        default: break;
       }
       for (int64_t i = 0; i < 16; ++i) {  // P: exact softmax of each row's keys, in bf16
         float* si = s + i * Lp;
@@ -175,6 +211,8 @@ PAGEDLLM_AMX_TARGET static void prefill_item_amx_t(const DecodeAttnArgs<Bf16>& a
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(pi + t), (__m256i)eb);
           sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(eb));
         }
+        if (sblk % 2)  // the odd block of the last 32-key step: no weight
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pi + sblk * KB), _mm256_setzero_si256());
         sums[i] = seen ? 1.f / _mm512_reduce_add_ps(sum) : 0.f;
       }
       for (int dg = 0; dg < C2 / 2; ++dg) {  // O = P V, 64 columns at a time
@@ -182,17 +220,18 @@ PAGEDLLM_AMX_TARGET static void prefill_item_amx_t(const DecodeAttnArgs<Bf16>& a
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        for (int64_t j = 0; j < sblk; ++j) {
-          const float* vj = vt + (j * 2 * C2 + 4 * dg) * 128;
-          _tile_loadd(6, p + j * KB, Lp * 2);
-          _tile_loadd(7, vj, 64);
-          _tile_dpbf16ps(0, 6, 7);
-          _tile_loadd(7, vj + 128, 64);
-          _tile_dpbf16ps(1, 6, 7);
-          _tile_loadd(7, vj + 256, 64);
-          _tile_dpbf16ps(2, 6, 7);
-          _tile_loadd(7, vj + 384, 64);
-          _tile_dpbf16ps(3, 6, 7);
+        const float* v = vt + 4 * dg * nblk * 128;  // column tile 4 dg + t at v + t nblk 128
+        for (int64_t jp = 0; jp < spairs; ++jp) {
+          const float* vj = v + 2 * jp * 128;
+          _tile_loadd(4, p + jp * 2 * KB, Lp * 2);
+          _tile_loadd(5, vj, 64);
+          _tile_dpbf16ps(0, 4, 5);
+          _tile_loadd(6, vj + nblk * 128, 64);
+          _tile_dpbf16ps(1, 4, 6);
+          _tile_loadd(7, vj + 2 * nblk * 128, 64);
+          _tile_dpbf16ps(2, 4, 7);
+          _tile_loadd(5, vj + 3 * nblk * 128, 64);
+          _tile_dpbf16ps(3, 4, 5);
         }
         _tile_stored(0, ob, 256);
         _tile_stored(1, ob + 16, 256);
