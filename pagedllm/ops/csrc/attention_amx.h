@@ -203,7 +203,8 @@ PAGEDLLM_AMX_TARGET static void prefill_item_amx_t(const DecodeAttnArgs<Bf16>& a
         }
         const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
         __m512 sum = _mm512_setzero_ps();
-        for (int64_t t = 0; t < sblk * KB; t += KB) {
+        int64_t t = 0;
+        for (; t < seen; t += KB) {
           const __mmask16 k = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(int(seen - t)), iota);
           const __m512 e = _mm512_maskz_mov_ps(
               k, exp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(si + t), scale), m)));
@@ -211,8 +212,8 @@ PAGEDLLM_AMX_TARGET static void prefill_item_amx_t(const DecodeAttnArgs<Bf16>& a
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(pi + t), (__m256i)eb);
           sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(eb));
         }
-        if (sblk % 2)  // the odd block of the last 32-key step: no weight
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pi + sblk * KB), _mm256_setzero_si256());
+        for (; t < 2 * spairs * KB; t += KB)  // keys the row does not see, to the last P tile's end
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pi + t), _mm256_setzero_si256());
         sums[i] = seen ? 1.f / _mm512_reduce_add_ps(sum) : 0.f;
       }
       for (int dg = 0; dg < C2 / 2; ++dg) {  // O = P V, 64 columns at a time
