@@ -42,7 +42,7 @@ constexpr int64_t kAmxK = 32;     // bf16 inputs per A-tile row (64 bytes)
 // weights as fast on gemm.h's kernel, which prefetches its panel; from two rows on the tiles
 // win (SmolLM2's projections at 2 rows: 1.1-1.8x).
 constexpr int64_t kAmxMinRows = 2;
-// Bytes of x a work item's row block may take (ops.cpp's amx_row_block): a quarter of the
+// Bytes of x a work item's row block may take (ops.cpp's amx_block_rows): a quarter of the
 // 2 MB L2 of these CPUs.
 constexpr int64_t kAmxRowBlockBytes = 512 * 1024;
 

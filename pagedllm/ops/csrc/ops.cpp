@@ -47,11 +47,37 @@ void check_rows(const at::Tensor& t, const char* name) {
 // a fifth argument gets the panel of the thread's next item (-1: none; a thread claims its next
 // run as it starts the last item of the current one), to prefetch it.
 // done() runs on each thread after its last item.
+//
+// Split tail (split_panels > 0, a single row block): the first panels - split_panels panels
+// are whole items (all M rows), the last split_panels panels go in `pieces` row pieces each
+// (multiples of 32 rows), claimed last: the threads end together on small items while every
+// other panel streams from memory once.
 template <class Acc, class Item, class Done = void (*)()>
-void for_gemm_items(int64_t M, int64_t N, Item&& item, Done&& done = [] {}, int64_t row_block = kRowBlock) {
+void for_gemm_items(int64_t M, int64_t N, Item&& item, Done&& done = [] {}, int64_t row_block = kRowBlock,
+                    int64_t split_panels = 0, int64_t pieces = 1) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
-  const int64_t block = std::min(row_block, M);
-  const int64_t total = (M + block - 1) / block * panels;
+  const int64_t block = split_panels > 0 ? M : std::min(row_block, M);
+  const int64_t whole = panels - split_panels;
+  const int64_t piece_rows = ((M + pieces - 1) / pieces + 31) / 32 * 32;
+  pieces = (M + piece_rows - 1) / piece_rows;
+  const int64_t total = split_panels > 0 ? whole + split_panels * pieces : (M + block - 1) / block * panels;
+  // Item i's rows and panel.
+  auto shape = [&](int64_t i, int64_t& m0, int64_t& m1) -> int64_t {
+    if (split_panels == 0) {
+      m0 = i / panels * block;
+      m1 = std::min(M, m0 + block);
+      return i % panels;
+    }
+    if (i < whole) {
+      m0 = 0;
+      m1 = M;
+      return i;
+    }
+    const int64_t j = i - whole;
+    m0 = j % pieces * piece_rows;
+    m1 = std::min(M, m0 + piece_rows);
+    return whole + j / pieces;
+  };
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), total);
   const int64_t run = std::max<int64_t>(1, total / (threads * 16));
   std::atomic<int64_t> next{0};
@@ -65,12 +91,13 @@ void for_gemm_items(int64_t M, int64_t N, Item&& item, Done&& done = [] {}, int6
       int64_t following = total;  // the first item of the thread's next run
       for (int64_t i = i0; i < end; ++i) {
         if (i + 1 == end) following = next.fetch_add(run, std::memory_order_relaxed);
-        const int64_t m0 = i / panels * block, m1 = std::min(M, m0 + block);
+        int64_t m0, m1, n0, n1;
+        const int64_t p = shape(i, m0, m1);
         if constexpr (std::is_invocable_v<Item&, int64_t, int64_t, int64_t, Acc*, int64_t>) {
           const int64_t after = i + 1 < end ? i + 1 : following;
-          item(m0, m1, i % panels, cp, after < total ? after % panels : int64_t{-1});
+          item(m0, m1, p, cp, after < total ? shape(after, n0, n1) : int64_t{-1});
         } else {
-          item(m0, m1, i % panels, cp);
+          item(m0, m1, p, cp);
         }
       }
       i0 = following;
@@ -94,28 +121,39 @@ at::Tensor output_rows(at::Tensor* into, int64_t M, int64_t n, const at::TensorO
   return *into;
 }
 
-// Rows per work item of the AMX GEMMs (M x N): as many as keep a row block of x (row_bytes a
-// row) within kAmxRowBlockBytes (a multiple of 32, at least kRowBlock, at most 1024), but
-// few enough that there are 8 items a thread. A thread walks every panel of the weight per
-// row block, so larger blocks stream the weight from L3 / DRAM fewer times.
-int64_t amx_row_block(int64_t row_bytes, int64_t M, int64_t N) {
-  int64_t rows = std::max<int64_t>(kRowBlock, std::min<int64_t>(1024, kAmxRowBlockBytes / row_bytes / 32 * 32));
-  const int64_t panels = (N + kPanel - 1) / kPanel, want = 8 * at::get_num_threads();
-  if ((M + rows - 1) / rows * panels < want) {
-    const int64_t blocks = (want + panels - 1) / panels;
-    rows = std::min(rows, std::max<int64_t>(kRowBlock, ((M + blocks - 1) / blocks + 31) / 32 * 32));
-  }
-  return rows;
+// Rows of x (row_bytes a row) that an AMX row block keeps within kAmxRowBlockBytes: a multiple
+// of 32, at least kRowBlock, at most 1024. A thread walks every panel of the weight per row
+// block, so larger blocks stream the weight from L3 / DRAM fewer times.
+int64_t amx_block_rows(int64_t row_bytes) {
+  return std::max<int64_t>(kRowBlock, std::min<int64_t>(1024, kAmxRowBlockBytes / row_bytes / 32 * 32));
 }
 
 // Whether an M-row product runs on AMX tiles.
 bool use_amx(int64_t M) { return M >= kAmxMinRows && amx_usable(); }
 
-// for_gemm_items for the AMX kernels: row blocks sized by amx_row_block (x rows of row_bytes),
-// each thread's tiles released after its last item.
+// for_gemm_items for the AMX kernels (x rows of row_bytes), each thread's tiles released after
+// its last item. Row blocks of amx_block_rows, but 8 items a thread at least:
+// - a product of one row block (a decode batch of 33 to a few hundred rows) with fewer panels
+//   keeps its whole rows per panel and splits only the last `threads` panels into row pieces
+//   (for_gemm_items' split tail): every other panel streams from memory once, and the threads
+//   still end together on small items (SmolLM2's projections at 128 rows 1.03-1.07x against
+//   splitting every panel's rows, alternated in one process; even at 64, 96, 192 and 256);
+// - otherwise the row blocks shrink (to kRowBlock rows at least) until there are enough.
 template <class Acc, class Item>
 void for_amx_items(int64_t M, int64_t N, int64_t row_bytes, Item&& item) {
-  for_gemm_items<Acc>(M, N, item, [] { amx_release(); }, amx_row_block(row_bytes, M, N));
+  const int64_t panels = (N + kPanel - 1) / kPanel, threads = at::get_num_threads();
+  const int64_t want = 8 * threads;
+  int64_t rows = amx_block_rows(row_bytes);
+  if (M <= rows && panels < want && M > 2 * kAmxRows && threads > 1) {
+    const int64_t pieces = std::min<int64_t>(threads, (M + 2 * kAmxRows - 1) / (2 * kAmxRows));
+    for_gemm_items<Acc>(M, N, item, [] { amx_release(); }, M, std::min(panels, threads), pieces);
+    return;
+  }
+  if ((M + rows - 1) / rows * panels < want) {
+    const int64_t blocks = (want + panels - 1) / panels;
+    rows = std::min(rows, std::max<int64_t>(kRowBlock, ((M + blocks - 1) / blocks + 31) / 32 * 32));
+  }
+  for_gemm_items<Acc>(M, N, item, [] { amx_release(); }, rows);
 }
 
 // w: bf16 panels (gemm.h) of n outputs over K inputs: [ceil(n / 64), K / 2, 64, 2], exactly
