@@ -2,7 +2,7 @@
 git revision's, alternated round by round on SmolLM2-shaped projections (the 120 products of
 `cpu_projections.py`: QKV, O, gate / up with SiLU, down, 30 layers of random bf16 weights).
 
-    python scripts/cpu_ops_ab.py REV [ROWS ...] [--rounds 11]
+    python scripts/cpu_ops_ab.py REV [ROWS ...] [--rounds 11] [--attention LOW HIGH]
 
 On shared machines whose speed swings 2-3x from one minute to the next, two processes timed one
 after the other compare phases of the machine more than kernels; alternating the two versions
@@ -12,7 +12,8 @@ once into pagedllm's cache directory, and loaded next to this checkout's. Both v
 read the same weight layout (this checkout's `to_panels`); their outputs are compared first
 (equal bits expected unless a change means to alter them; the largest difference is printed).
 Prints per row count the medians, and the median of the per-round ratios (REV time / this
-checkout's time: above 1, this checkout is faster).
+checkout's time: above 1, this checkout is faster). `--attention LOW HIGH` adds prefill
+attention (`paged_prefill_attention`) on 64 prompts of LOW-HIGH tokens.
 """
 
 from __future__ import annotations
@@ -68,11 +69,37 @@ def build_revision(rev: str) -> str:
     return "pagedllm_ab"
 
 
+def prefill_attention_case(low: int, high: int):
+    """paged_prefill_attention on 64 prompts of low-high tokens (SmolLM2's 9 query / 3 KV
+    heads of 64, bf16, blocks of 16 in a shuffled cache): a function of the ops namespace."""
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, d, bs = 9, 3, 64, 16
+    lens = torch.randint(low, high + 1, (64,), generator=g)
+    blocks = [-(-int(n) // bs) for n in lens]
+    kv = torch.randn(2, sum(blocks), bs, kv_heads, d, generator=g).bfloat16()
+    ids = torch.randperm(sum(blocks), generator=g).int()
+    table = torch.zeros(len(blocks), max(blocks), dtype=torch.int32)
+    for r, start in enumerate(torch.tensor([0] + blocks).cumsum(0)[:-1].tolist()):
+        table[r, : blocks[r]] = ids[start : start + blocks[r]]
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+    q = torch.randn(int(qsl[-1]), heads, d, generator=g).bfloat16()
+    reqs = torch.arange(len(blocks))
+
+    def run(ops) -> list[torch.Tensor]:
+        out = torch.empty_like(q)
+        ops.paged_prefill_attention(q, out, kv, table, lens.int(), qsl, reqs, d**-0.5)
+        return [out]
+
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("rev", help="git revision to compare this checkout's kernels with")
     parser.add_argument("rows", type=int, nargs="*", default=[1, 64, 512])
     parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--attention", type=int, nargs=2, metavar=("LOW", "HIGH"),
+                        help="also time prefill attention on 64 prompts of LOW-HIGH tokens")  # fmt: skip
     args = parser.parse_args()
     if cpu_ops() is None:
         sys.exit("needs pagedllm's native kernels")
@@ -80,38 +107,46 @@ def main() -> None:
     weights = [
         [to_panels((torch.randn(n, k) * 0.05).bfloat16()) for n, k in SHAPES] for _ in range(LAYERS)
     ]
-    inputs = {m: {k: torch.randn(m, k).bfloat16() for _, k in SHAPES} for m in args.rows}
 
-    def products(ops, m: int) -> list[torch.Tensor]:
-        out = []
-        for layer in weights:
-            for (n, k), w in zip(SHAPES, layer):
-                if n == 2 * INTER and hasattr(ops, "linear_silu_mul"):
-                    # the MLP's gate / up with SiLU x mul, as the layers run it
-                    out.append(ops.linear_silu_mul(inputs[m][k], w, None, n))
-                elif n == 2 * INTER:  # before the fused op (9dcd9c8): the same bits
-                    out.append(ops.silu_and_mul(ops.linear(inputs[m][k], w, None, n, False)))
-                else:
-                    out.append(ops.linear(inputs[m][k], w, None, n, False))
-        return out
+    def products(m: int):
+        inputs = {k: torch.randn(m, k).bfloat16() for _, k in SHAPES}
 
-    for m in args.rows:
-        a, b = (products(ops, m) for ops in versions.values())
+        def run(ops) -> list[torch.Tensor]:
+            out = []
+            for layer in weights:
+                for (n, k), w in zip(SHAPES, layer):
+                    if n == 2 * INTER and hasattr(ops, "linear_silu_mul"):
+                        # the MLP's gate / up with SiLU x mul, as the layers run it
+                        out.append(ops.linear_silu_mul(inputs[k], w, None, n))
+                    elif n == 2 * INTER:  # before the fused op (9dcd9c8): the same bits
+                        out.append(ops.silu_and_mul(ops.linear(inputs[k], w, None, n, False)))
+                    else:
+                        out.append(ops.linear(inputs[k], w, None, n, False))
+            return out
+
+        return run
+
+    cases = {f"rows {m:5d}": products(m) for m in args.rows}
+    if args.attention:
+        low, high = args.attention
+        cases[f"attention {low}-{high}"] = prefill_attention_case(low, high)
+    for label, run in cases.items():
+        a, b = (run(ops) for ops in versions.values())
         diff = max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b))
-        print(f"rows {m:5d}: outputs {'identical' if diff == 0 else f'differ by up to {diff:.3g}'}")
-    seconds = {(m, v): [] for m in args.rows for v in versions}
+        print(f"{label}: outputs {'identical' if diff == 0 else f'differ by up to {diff:.3g}'}")
+    seconds = {(label, v): [] for label in cases for v in versions}
     for r in range(args.rounds):
-        for m in args.rows:
+        for label, run in cases.items():
             order = list(versions.items())
             for name, ops in order if r % 2 else order[::-1]:
                 start = time.perf_counter()
-                products(ops, m)
-                seconds[m, name].append(time.perf_counter() - start)
-    for m in args.rows:
-        this, base = seconds[m, "this"], seconds[m, args.rev]
+                run(ops)
+                seconds[label, name].append(time.perf_counter() - start)
+    for label in cases:
+        this, base = seconds[label, "this"], seconds[label, args.rev]
         ratios = sorted(b / t for b, t in zip(base, this))
         print(
-            f"rows {m:5d}: {args.rev} {statistics.median(base) * 1e3:8.2f} ms  this "
+            f"{label}: {args.rev} {statistics.median(base) * 1e3:8.2f} ms  this "
             f"{statistics.median(this) * 1e3:8.2f} ms  speed-up {statistics.median(ratios):.3f} "
             f"(rounds {ratios[0]:.2f} .. {ratios[-1]:.2f})"
         )

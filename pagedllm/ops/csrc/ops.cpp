@@ -49,34 +49,25 @@ void check_rows(const at::Tensor& t, const char* name) {
 // done() runs on each thread after its last item.
 //
 // Split tail (split_panels > 0, a single row block): the first panels - split_panels panels
-// are whole items (all M rows), the last split_panels panels go in `pieces` row pieces each
-// (multiples of 32 rows), claimed last: the threads end together on small items while every
-// other panel streams from memory once.
+// are whole items (all M rows), the last split_panels panels go in pieces of piece_rows rows,
+// claimed last: the threads end together on small items while every other panel streams from
+// memory once.
 template <class Acc, class Item, class Done = void (*)()>
 void for_gemm_items(int64_t M, int64_t N, Item&& item, Done&& done = [] {}, int64_t row_block = kRowBlock,
-                    int64_t split_panels = 0, int64_t pieces = 1) {
+                    int64_t split_panels = 0, int64_t piece_rows = 0) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
   const int64_t block = split_panels > 0 ? M : std::min(row_block, M);
   const int64_t whole = panels - split_panels;
-  const int64_t piece_rows = ((M + pieces - 1) / pieces + 31) / 32 * 32;
-  pieces = (M + piece_rows - 1) / piece_rows;
+  const int64_t pieces = split_panels > 0 ? (M + piece_rows - 1) / piece_rows : 0;
   const int64_t total = split_panels > 0 ? whole + split_panels * pieces : (M + block - 1) / block * panels;
-  // Item i's rows and panel.
-  auto shape = [&](int64_t i, int64_t& m0, int64_t& m1) -> int64_t {
-    if (split_panels == 0) {
-      m0 = i / panels * block;
-      m1 = std::min(M, m0 + block);
-      return i % panels;
-    }
-    if (i < whole) {
-      m0 = 0;
-      m1 = M;
-      return i;
-    }
-    const int64_t j = i - whole;
-    m0 = j % pieces * piece_rows;
-    m1 = std::min(M, m0 + piece_rows);
-    return whole + j / pieces;
+  struct Rows {
+    int64_t m0, m1, p;
+  };
+  auto shape = [&](int64_t i) -> Rows {  // item i's rows and panel
+    if (split_panels == 0) return {i / panels * block, std::min(M, i / panels * block + block), i % panels};
+    if (i < whole) return {0, M, i};
+    const int64_t j = i - whole, m0 = j % pieces * piece_rows;
+    return {m0, std::min(M, m0 + piece_rows), whole + j / pieces};
   };
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), total);
   const int64_t run = std::max<int64_t>(1, total / (threads * 16));
@@ -91,13 +82,12 @@ void for_gemm_items(int64_t M, int64_t N, Item&& item, Done&& done = [] {}, int6
       int64_t following = total;  // the first item of the thread's next run
       for (int64_t i = i0; i < end; ++i) {
         if (i + 1 == end) following = next.fetch_add(run, std::memory_order_relaxed);
-        int64_t m0, m1, n0, n1;
-        const int64_t p = shape(i, m0, m1);
+        const Rows r = shape(i);
         if constexpr (std::is_invocable_v<Item&, int64_t, int64_t, int64_t, Acc*, int64_t>) {
           const int64_t after = i + 1 < end ? i + 1 : following;
-          item(m0, m1, p, cp, after < total ? shape(after, n0, n1) : int64_t{-1});
+          item(r.m0, r.m1, r.p, cp, after < total ? shape(after).p : int64_t{-1});
         } else {
-          item(m0, m1, p, cp);
+          item(r.m0, r.m1, r.p, cp);
         }
       }
       i0 = following;
@@ -145,8 +135,9 @@ void for_amx_items(int64_t M, int64_t N, int64_t row_bytes, Item&& item) {
   const int64_t want = 8 * threads;
   int64_t rows = amx_block_rows(row_bytes);
   if (M <= rows && panels < want && M > 2 * kAmxRows && threads > 1) {
-    const int64_t pieces = std::min<int64_t>(threads, (M + 2 * kAmxRows - 1) / (2 * kAmxRows));
-    for_gemm_items<Acc>(M, N, item, [] { amx_release(); }, M, std::min(panels, threads), pieces);
+    // A piece per thread, in whole 32-row tiles.
+    const int64_t tile = 2 * kAmxRows, piece_rows = ((M + threads - 1) / threads + tile - 1) / tile * tile;
+    for_gemm_items<Acc>(M, N, item, [] { amx_release(); }, M, std::min(panels, threads), piece_rows);
     return;
   }
   if ((M + rows - 1) / rows * panels < want) {
