@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.ops import row_ops
 from pagedllm.ops.triton import triton_usable
 
 _NEG_INF = float("-inf")
@@ -259,6 +260,17 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     best = _chunk_reduce(logits, "amax").argmax(dim=-1, keepdim=True)  # [B, 1]
     first, values = _chunk_values(logits, best, _NEG_INF)
     return (first + values.argmax(dim=-1, keepdim=True)).squeeze_(1)
+
+
+def native_sampling(logits: torch.Tensor):
+    """The native ops when `sample_rows` can draw from `logits` (fp32 [B, V] CPU rows with a
+    vocabulary of two chunks or more, on an AVX-512 or AVX2 CPU, outside torch.compile), else
+    None. It is `random_sample` after temperature and the max-subtracted exp, fused: the same
+    chunked inverse CDF, each row read twice and never written (ops/csrc/sampling.h)."""
+    native = row_ops(logits) if logits.dtype == torch.float32 else None
+    if native is None or logits.shape[1] < 2 * _CHUNK or logits.stride(1) != 1:
+        return None
+    return native if native.cpu_has_avx2_fma() else None
 
 
 def uniform(

@@ -8,7 +8,9 @@ Order of operations (vLLM V1's):
 3. greedy rows take the argmax here;
 4. random rows: temperature, min-p, top-k, top-p, then one inverse-CDF draw (seeded rows draw
    their uniform from their own generator; no torch.multinomial, which syncs). On the CPU,
-   top-p is not a mask but part of the draw (`ops.random_sample_top_p`: rejection, no sort).
+   top-p is not a mask but part of the draw (`ops.random_sample_top_p`: rejection, no sort);
+   with none of min-p / top-k / top-p, the native `sample_rows` makes the same draw in one
+   pass per row (temperature, max, exp and the chunk sums together; `ops.native_sampling`).
 Mixed batches run both paths and pick per row with `torch.where`; on the device nothing syncs
 with the host.
 """
@@ -107,6 +109,24 @@ class Sampler(nn.Module):
             if metadata.all_greedy:
                 return greedy
 
+        plain = metadata.min_p is None and metadata.top_k is None and metadata.top_p is None
+        native = ops.native_sampling(logits) if plain and not batch_invariant else None
+        if native is not None:
+            # One native pass per row: the same inverse-CDF draw, the logits left as they are.
+            u = ops.uniform(logits.shape[0], metadata.generators, logits.device)
+            sampled = native.sample_rows(logits, metadata.temperature, u)
+        else:
+            sampled = Sampler._draw(logits, metadata, in_place, batch_invariant)
+        if greedy is None:
+            return sampled
+        return torch.where(metadata.temperature == 0.0, greedy, sampled)
+
+    @staticmethod
+    def _draw(
+        logits: torch.Tensor, metadata: SamplingMetadata, in_place: bool, batch_invariant: bool
+    ) -> torch.Tensor:
+        """The random rows' draw in PyTorch ops: temperature, min-p, top-k / top-p, exp, the
+        inverse CDF (rows with temperature 0 draw too; the caller replaces them)."""
         logits = ops.apply_temperature(logits, metadata.temperature, in_place=in_place)
         if metadata.min_p is not None:
             logits = ops.apply_min_p(logits, metadata.min_p)
@@ -118,12 +138,8 @@ class Sampler(nn.Module):
         logits = logits.sub_(logits.amax(dim=-1, keepdim=True))
         weights = det_exp(logits) if batch_invariant else logits.exp_()  # [B, V]
         if top_p_in_draw:
-            sampled = ops.random_sample_top_p(weights, metadata.top_p, metadata.generators)
-        else:
-            sampled = ops.random_sample(weights, metadata.generators)
-        if greedy is None:
-            return sampled
-        return torch.where(metadata.temperature == 0.0, greedy, sampled)
+            return ops.random_sample_top_p(weights, metadata.top_p, metadata.generators)
+        return ops.random_sample(weights, metadata.generators)
 
 
 def has_logits_processors(metadata: SamplingMetadata) -> bool:

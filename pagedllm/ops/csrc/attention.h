@@ -103,19 +103,6 @@ PAGEDLLM_ATTN_PORTABLE(Fp32)
 
 // ---- AVX2 ------------------------------------------------------------------------------
 
-PAGEDLLM_AVX2_TARGET static inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-PAGEDLLM_AVX2_TARGET static inline float hmax8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
 // Each of the G rows of scores [G, L] in place -> exp(score - the row's max); inv[g] = 1 / the
 // row's sum (the caller scales the outputs instead of the probabilities).
 PAGEDLLM_AVX2_TARGET static void softmax_rows_avx2(float* scores, int64_t G, int64_t L,

@@ -20,6 +20,7 @@
 #include "gemm_f32.h"
 #include "gemm_int8.h"
 #include "gemm_silu.h"
+#include "sampling.h"
 
 namespace pagedllm {
 namespace {
@@ -400,6 +401,38 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
   });
 }
 
+// One token per row of logits [B, V] (fp32) drawn with temperature [B] and uniform u [B] in
+// [0, 1) (sampling.h); rows whose temperature is not above 0 (greedy rows of a mixed batch,
+// which the caller takes from its argmax) are not drawn and get token 0.
+at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& u) {
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+  TORCH_CHECK(avx512 || cpu_has_avx2_fma(), "pagedllm::sample_rows needs AVX-512 or AVX2 + FMA");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1,
+              "logits: float32 [B, V] with contiguous rows");
+  const int64_t B = logits.size(0), V = logits.size(1);
+  for (const at::Tensor* t : {&temperature, &u})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == B,
+                "temperature / u: float32 [B]");
+  at::Tensor out = at::empty({B}, logits.options().dtype(at::kLong));
+  const float* x = logits.data_ptr<float>();
+  const float* temp = temperature.data_ptr<float>();
+  const float* uu = u.data_ptr<float>();
+  int64_t* tok = out.data_ptr<int64_t>();
+  at::parallel_for(0, B, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> sums((V + kSampleChunk - 1) / kSampleChunk), w(kSampleChunk);
+    for (int64_t r = b; r < e; ++r) {
+      const float* row = x + r * logits.stride(0);
+      if (!(temp[r] > 0.f))
+        tok[r] = 0;
+      else if (avx512)
+        tok[r] = sample_row<SampleAvx512>(row, V, temp[r], uu[r], sums.data(), w.data());
+      else
+        tok[r] = sample_row<SampleAvx2>(row, V, temp[r], uu[r], sums.data(), w.data());
+    }
+  });
+  return out;
+}
+
 // kv_cache[0][slot_mapping[t]] = key[t], kv_cache[1][slot_mapping[t]] = value[t] for the
 // first n = slot_mapping.numel() rows: the step's K/V rows copied into their cache slots, one
 // memcpy per row (what two index_copy_ calls do at ~10 ns an element). Rows may be strided (the
@@ -697,6 +730,7 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def("fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor",
         &pagedllm::fused_add_rms_norm);
   m.def("silu_and_mul(Tensor x) -> Tensor", &pagedllm::silu_and_mul);
+  m.def("sample_rows(Tensor logits, Tensor temperature, Tensor u) -> Tensor", &pagedllm::sample_rows);
   m.def("rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos_sin_cache, "
         "int head_size, int rot) -> ()", &pagedllm::rotary_embedding);
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()",

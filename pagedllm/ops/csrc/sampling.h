@@ -1,0 +1,146 @@
+// The sampler's random draw in one pass over each row of logits (ops.cpp's sample_rows): the
+// same draw as sample/ops.py's two-level inverse CDF (a row's weights exp((l - max) / T), a
+// uniform u times their total picks a chunk of kSampleChunk tokens by the running sum of the
+// chunk sums, then a token inside it by the running sum of its weights), without the six
+// whole-row tensor passes the PyTorch ops make (temperature, max, subtract, exp, chunk sums:
+// each reading and most writing the [B, V] fp32 logits, 12.6 MB at 64 rows of a 49k
+// vocabulary). Here a row is read twice (its max, then its chunk sums) and never written; the
+// picked chunk's 256 weights are computed again. A row's draw depends on its logits,
+// temperature and u alone (rows run one per thread, in a fixed order).
+//
+// Weights whose exponent is below -87.3 (exp16's clamp; -inf logits, i.e. masked tokens,
+// among them) are exactly 0, so a masked token is never drawn; anything that small is below
+// an fp32 ulp of the row's total, which is at least 1 (the maximum's own weight).
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "common.h"
+
+namespace pagedllm {
+
+constexpr int64_t kSampleChunk = 256;  // sample/ops.py's _CHUNK
+constexpr float kSampleExpFloor = -87.3f;
+
+// Per ISA (V = 16 lanes AVX-512, 8 lanes AVX2): a row's maximum, each chunk's weight sum, and
+// one chunk's weights.
+#define PAGEDLLM_SAMPLE_OPS(NAME, TARGET, VEC, W, SET1, LOAD, MAXF, SUBF, MULF, ADDF, EXPF,       \
+                            ZERO_BELOW, TAIL_LOAD, REDUCE_MAX, REDUCE_ADD, STORE)                \
+  struct NAME {                                                                                  \
+    TARGET static float row_max(const float* x, int64_t n) {                                    \
+      VEC m = SET1(-INFINITY);                                                                   \
+      int64_t i = 0;                                                                             \
+      for (; i + W <= n; i += W) m = MAXF(m, LOAD(x + i));                                       \
+      float r = REDUCE_MAX(m);                                                                   \
+      for (; i < n; ++i) r = std::max(r, x[i]);                                                  \
+      return r;                                                                                  \
+    }                                                                                            \
+    /* exp((x - m) * inv_t) of lanes [i, i + W), 0 past n or below the floor */                  \
+    TARGET static inline VEC weights(const float* x, int64_t i, int64_t n, VEC m, VEC inv_t) {   \
+      const VEC z = MULF(SUBF(TAIL_LOAD(x, i, n), m), inv_t);                                    \
+      return ZERO_BELOW(EXPF(z), z);                                                             \
+    }                                                                                            \
+    TARGET static void chunk_sums(const float* x, int64_t n, float m, float inv_t, float* sums) { \
+      const VEC mv = SET1(m), tv = SET1(inv_t);                                                  \
+      for (int64_t c0 = 0, c = 0; c0 < n; c0 += kSampleChunk, ++c) {                             \
+        const int64_t end = std::min(n, c0 + kSampleChunk);                                      \
+        VEC acc = SET1(0.f);                                                                     \
+        for (int64_t i = c0; i < end; i += W) acc = ADDF(acc, weights(x, i, end, mv, tv));      \
+        sums[c] = REDUCE_ADD(acc);                                                               \
+      }                                                                                          \
+    }                                                                                            \
+    TARGET static void chunk_weights(const float* x, int64_t c0, int64_t end, float m,           \
+                                     float inv_t, float* w) {                                    \
+      const VEC mv = SET1(m), tv = SET1(inv_t);                                                  \
+      for (int64_t i = c0; i < end; i += W) STORE(w + (i - c0), weights(x, i, end, mv, tv));    \
+    }                                                                                            \
+  };
+
+// ---- AVX-512 ----
+PAGEDLLM_AVX512_TARGET static inline __mmask16 sample_tail16(int64_t i, int64_t n) {
+  return n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
+}
+PAGEDLLM_AVX512_TARGET static inline __m512 sample_load16(const float* x, int64_t i, int64_t n) {
+  return _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), sample_tail16(i, n), x + i);
+}
+// exp(z) for z <= 0 to 1.4e-6 relative (z >= -20: 5e-7; every 1e-6 step of [-87.3, 0] checked
+// against double exp), in 10 instructions to exp16's 18:
+// 2^(z log2 e) as 2^n (vscalefps) times a degree-6 Taylor polynomial of 2^f, |f| <= 1/2, with
+// f = z log2 e - n in one rounding (an FMA). Below the floor the caller zeroes the lanes.
+PAGEDLLM_AVX512_TARGET static inline __m512 sample_exp16(__m512 z) {
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(z, log2e), _MM_FROUND_TO_NEAREST_INT);
+  const __m512 f = _mm512_fmsub_ps(z, log2e, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381609e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+PAGEDLLM_AVX512_TARGET static inline __m512 sample_zero_below16(__m512 e, __m512 z) {
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(z, _mm512_set1_ps(kSampleExpFloor), _CMP_GE_OQ), e);
+}
+PAGEDLLM_SAMPLE_OPS(SampleAvx512, PAGEDLLM_AVX512_TARGET, __m512, 16, _mm512_set1_ps,
+                    _mm512_loadu_ps, _mm512_max_ps, _mm512_sub_ps, _mm512_mul_ps, _mm512_add_ps,
+                    sample_exp16, sample_zero_below16, sample_load16, _mm512_reduce_max_ps,
+                    _mm512_reduce_add_ps, _mm512_storeu_ps)
+
+// ---- AVX2 ----
+PAGEDLLM_AVX2_TARGET static inline __m256 sample_load8(const float* x, int64_t i, int64_t n) {
+  if (n - i >= 8) return _mm256_loadu_ps(x + i);
+  alignas(32) float tmp[8];
+  for (int k = 0; k < 8; ++k) tmp[k] = i + k < n ? x[i + k] : -INFINITY;
+  return _mm256_load_ps(tmp);
+}
+PAGEDLLM_AVX2_TARGET static inline __m256 sample_zero_below8(__m256 e, __m256 z) {
+  return _mm256_and_ps(e, _mm256_cmp_ps(z, _mm256_set1_ps(kSampleExpFloor), _CMP_GE_OQ));
+}
+PAGEDLLM_SAMPLE_OPS(SampleAvx2, PAGEDLLM_AVX2_TARGET, __m256, 8, _mm256_set1_ps, _mm256_loadu_ps,
+                    _mm256_max_ps, _mm256_sub_ps, _mm256_mul_ps, _mm256_add_ps, exp8,
+                    sample_zero_below8, sample_load8, hmax8, hsum8,
+                    _mm256_storeu_ps)
+#undef PAGEDLLM_SAMPLE_OPS
+
+// One row's draw: the token whose interval of the running weight sum holds u * total (u in
+// [0, 1)), capped at the last token with weight (rounding can leave u * total at or past the
+// end; a zero-weight token is never picked). sums: ceil(n / kSampleChunk) floats of scratch,
+// w: kSampleChunk. A row with no weight at all (every logit -inf) draws token 0.
+template <class Ops>
+static int64_t sample_row(const float* x, int64_t n, float temperature, float u, float* sums,
+                          float* w) {
+  const float m = Ops::row_max(x, n), inv_t = 1.f / temperature;
+  const int64_t chunks = (n + kSampleChunk - 1) / kSampleChunk;
+  Ops::chunk_sums(x, n, m, inv_t, sums);
+  float total = 0.f;
+  int64_t last = -1;
+  for (int64_t c = 0; c < chunks; ++c) {
+    total += sums[c];
+    if (sums[c] > 0.f) last = c;
+  }
+  if (last < 0) return 0;
+  const float target = u * total;
+  float before = 0.f;
+  int64_t c = 0;
+  for (; c < last && !(before + sums[c] > target); ++c) before += sums[c];
+  const int64_t c0 = c * kSampleChunk, end = std::min(n, c0 + kSampleChunk);
+  Ops::chunk_weights(x, c0, end, m, inv_t, w);
+  int64_t last_w = 0;
+  for (int64_t i = 0; i < end - c0; ++i)
+    if (w[i] > 0.f) last_w = i;
+  const float rest = target - before;
+  float run = 0.f;
+  for (int64_t i = 0; i < last_w; ++i) {
+    run += w[i];
+    if (run > rest) return c0 + i;
+  }
+  return c0 + last_w;
+}
+
+}  // namespace pagedllm

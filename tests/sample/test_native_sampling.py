@@ -1,0 +1,153 @@
+"""The native one-pass draw (`sample_rows`, ops/csrc/sampling.h): the inverse CDF of
+exp((logits - max) / T) for a given uniform, masked tokens never drawn, the distribution, and
+the sampler's use of it (the same tokens as its PyTorch draw for the same seeded uniforms)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.ops import cpu_ops
+from pagedllm.sample import ops
+from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.sampler import Sampler
+from pagedllm.sampling_params import SamplingParams
+from tests.sample.stats import CHI2_999, chi_square
+
+native = cpu_ops()
+pytestmark = pytest.mark.skipif(
+    native is None or not native.cpu_has_avx2_fma(), reason="native sampling not built here"
+)
+NEG_INF = float("-inf")
+
+
+def _reference(logits: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor):
+    """float64 cumulative weights [B, V] and each row's target u * total [B, 1]."""
+    x = logits.double()
+    cdf = ((x - x.amax(1, keepdim=True)) / temperature.double()[:, None]).exp().cumsum(1)
+    return cdf, u.double()[:, None] * cdf[:, -1:]
+
+
+@pytest.mark.parametrize("vocab", [512, 700, 49152])
+def test_draw_is_the_inverse_cdf_of_the_tempered_softmax(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    rows = 64
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    temperature = torch.rand(rows, generator=g) * 1.5 + 0.2
+    u = torch.rand(rows, generator=g)
+    tok = native.sample_rows(logits, temperature, u)
+    cdf, target = _reference(logits, temperature, u)
+    exact = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    assert (tok == exact).float().mean() >= 0.95
+    # Where they differ, the target lies within fp32 rounding of the boundary between them.
+    below = torch.where(tok > 0, cdf.gather(1, (tok - 1).clamp(min=0)[:, None]).squeeze(1), 0.0)
+    above = cdf.gather(1, tok[:, None]).squeeze(1)
+    slack = 1e-5 * cdf[:, -1]
+    assert ((below <= target.squeeze(1) + slack) & (target.squeeze(1) <= above + slack)).all()
+
+
+def test_masked_tokens_are_never_drawn_and_greedy_rows_are_skipped():
+    vocab = 1000
+    kept = [0, 255, 256, 511, 700, 999]
+    logits = torch.full((8, vocab), NEG_INF)
+    logits[:, kept] = torch.tensor([0.5, -1.0, 2.0, 0.0, -3.0, 1.0])
+    edges = [0.0, 1e-9, 0.3, 0.5, 0.9, 1.0 - 2**-24, 0.999999, 0.0]
+    u = torch.tensor(edges)
+    temperature = torch.ones(8)
+    tok = native.sample_rows(logits, temperature, u)
+    assert set(tok.tolist()) <= set(kept)
+    assert tok[0].item() == 0 and tok[5].item() == 999  # the first / last token with weight
+    # a row with no finite logit draws token 0; a row at temperature 0 is not drawn (0)
+    logits[6] = NEG_INF
+    temperature[7] = 0.0
+    out = native.sample_rows(logits, temperature, torch.full((8,), 0.7))
+    assert out[6].item() == 0 and out[7].item() == 0
+
+
+def _metadata(params: list[SamplingParams], vocab: int, generators=None) -> SamplingMetadata:
+    n = len(params)
+    return SamplingMetadata.build(
+        params, [[1, 2]] * n, [[]] * n, generators or [None] * n, vocab_size=vocab, device="cpu"
+    )
+
+
+def test_sampler_distribution_over_chunks():
+    """Through the sampler: five tokens in three chunks (the last one partial), T = 0.7."""
+    torch.manual_seed(7)
+    vocab, n, temperature = 600, 20000, 0.7
+    base = torch.full((vocab,), NEG_INF)
+    tokens = [3, 255, 256, 511, 599]
+    base[tokens] = torch.tensor([1.0, 0.5, 0.0, -0.5, 2.0])
+    logits = base.repeat(n, 1)
+    metadata = _metadata([SamplingParams(temperature=temperature)] * n, vocab)
+    assert ops.native_sampling(logits) is not None
+    drawn = Sampler()(logits, metadata).sampled_token_ids
+    expected = torch.softmax(base / temperature, dim=-1)
+    assert chi_square(drawn, expected) < CHI2_999[4]
+
+
+def test_sampler_native_draw_matches_its_pytorch_draw_and_keeps_greedy_rows(monkeypatch):
+    """The same seeded uniforms through the native draw and the PyTorch one give the same
+    tokens (but where a uniform falls within rounding of a boundary); greedy rows of the
+    batch keep their argmax; the logits are left unchanged."""
+    g = torch.Generator().manual_seed(3)
+    rows, vocab = 48, 4096
+    logits = torch.randn(rows, vocab, generator=g) * 2
+    before = logits.clone()
+    params = [SamplingParams(temperature=0.0 if i % 5 == 0 else 0.3 + i / 40) for i in range(rows)]
+
+    def draw() -> torch.Tensor:
+        generators = [torch.Generator().manual_seed(100 + i) for i in range(rows)]
+        out = Sampler()(logits, _metadata(params, vocab, generators)).sampled_token_ids
+        assert torch.equal(logits, before)
+        return out
+
+    assert ops.native_sampling(logits) is not None
+    fused = draw()
+    monkeypatch.setattr(ops, "native_sampling", lambda logits: None)
+    plain = draw()
+    assert (fused == plain).float().mean() >= 0.95
+    greedy = logits.argmax(dim=-1)
+    assert torch.equal(fused[::5], greedy[::5])
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    vocab = 2048
+    logits = torch.randn(6, vocab)
+    params = [SamplingParams(temperature=0.9, seed=11 + i) for i in range(6)]
+    gens = [torch.Generator().manual_seed(p.seed) for p in params]
+    whole = Sampler()(logits, _metadata(params, vocab, gens)).sampled_token_ids
+    gens = [torch.Generator().manual_seed(p.seed) for p in params[2:4]]
+    part = Sampler()(logits[2:4].clone(), _metadata(params[2:4], vocab, gens)).sampled_token_ids
+    assert torch.equal(part, whole[2:4])
+
+
+def test_truncation_and_batch_invariance_keep_the_pytorch_draw(monkeypatch):
+    """top-k / top-p / min-p rows and batch-invariant mode draw with the PyTorch ops (the
+    native draw has no truncation); only fp32 rows of two chunks or more go native."""
+    vocab, n = 1024, 400
+    logits = torch.randn(vocab).repeat(n, 1)
+    row = logits[0]
+    probs, order = torch.softmax(row, dim=-1).sort(descending=True)
+    ahead = probs.cumsum(0) - probs  # mass before each token in order
+    kept = {
+        "top_k": set(order[:5].tolist()),
+        "top_p": set(order[ahead < 0.05].tolist()),
+        "min_p": set(
+            (row >= row.max() + torch.log(torch.tensor(0.5))).nonzero().flatten().tolist()
+        ),
+    }
+    for name, value in (("top_k", 5), ("top_p", 0.05), ("min_p", 0.5)):
+        metadata = _metadata([SamplingParams(**{name: value})] * n, vocab)
+        drawn = set(Sampler()(logits, metadata).sampled_token_ids.tolist())
+        assert drawn <= kept[name] and len(kept[name]) < 50, name
+
+    def refuse(logits):
+        raise AssertionError("batch-invariant mode must not take the native draw")
+
+    monkeypatch.setattr(ops, "native_sampling", refuse)
+    metadata = _metadata([SamplingParams(temperature=1.0)] * 2, vocab)
+    Sampler(batch_invariant=True)(logits[:2], metadata)
+    monkeypatch.undo()
+    assert ops.native_sampling(logits.bfloat16()) is None
+    assert ops.native_sampling(logits[:, :511].contiguous()) is None
