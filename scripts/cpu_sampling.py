@@ -1,0 +1,125 @@
+"""The sampler's random draw on the CPU: the native one-pass `sample_rows` against the
+PyTorch ops it replaces (`Sampler._draw` on a copy of the logits, as the sampler runs it:
+temperature, max, subtract, exp, the chunked inverse CDF), on fp32 logits of SmolLM2's 49,152-token vocabulary; the two alternated, the
+median of 9 blocks of calls. With `--engine MODEL`, the same two inside the engine: an
+in-process `LLM` generating 64 x 128 in / 64 out at temperature 1, the draw switched between
+the two every run (alternated, 6 runs each), timing the model runner's `_sample_tokens` (the
+LM head and the draw) and the whole `generate`.
+
+    python scripts/cpu_sampling.py [--rows 1 8 64] [--engine .demo-model/SmolLM2-135M-Instruct]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+from functools import partial
+
+import torch
+
+
+def _block_ms(fn, calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e3
+
+
+def _torch_draw(sampler, logits, metadata):
+    return sampler._draw(logits.clone(), metadata, True, False)
+
+
+def _native_draw(native, logits, metadata):
+    return native.sample_rows(logits, metadata.temperature, torch.rand(logits.shape[0]))
+
+
+def ops_figures(rows: list[int], vocab: int) -> None:
+    from pagedllm.sample import ops
+    from pagedllm.sample.metadata import SamplingMetadata
+    from pagedllm.sample.sampler import Sampler
+    from pagedllm.sampling_params import SamplingParams
+
+    print("| rows | PyTorch ops | native sample_rows | ratio |")
+    print("|---|---|---|---|")
+    for b in rows:
+        logits = torch.randn(b, vocab) * 3
+        metadata = SamplingMetadata.build(
+            [SamplingParams(temperature=1.0)] * b, [[1]] * b, [[]] * b, [None] * b, vocab, "cpu"
+        )
+        native = ops.native_sampling(logits)
+        assert native is not None, "no native sampling on this CPU"
+        # As the sampler calls each: the PyTorch draw on its own copy of the logits.
+        kinds = {
+            "torch": partial(_torch_draw, Sampler, logits, metadata),
+            "native": partial(_native_draw, native, logits, metadata),
+        }
+        calls = max(5, 2000 // b)
+        blocks: dict[str, list[float]] = {k: [] for k in kinds}
+        for _ in range(9):
+            for k, fn in kinds.items():
+                blocks[k].append(_block_ms(fn, calls))
+        t = {k: statistics.median(v) for k, v in blocks.items()}
+        print(
+            f"| {b} | {t['torch']:.3f} ms | {t['native']:.3f} ms | {t['torch'] / t['native']:.2f}x |"
+        )
+
+
+def engine_figures(model: str) -> None:
+    os.environ["PAGEDLLM_ENABLE_MULTIPROCESSING"] = "0"
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.sample import ops
+
+    llm = LLM(model=model, seed=0, enable_prefix_caching=False)
+    core = llm.llm_engine.engine_core.engine_core
+    while core.prefault_kv():  # the KV cache's pages faulted in first
+        pass
+    runner = core.executor.worker.model_runner
+    spent = {"s": 0.0}
+    sample_tokens = runner._sample_tokens
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        out = sample_tokens(*args, **kwargs)
+        spent["s"] += time.perf_counter() - start
+        return out
+
+    runner._sample_tokens = timed
+    native = ops.native_sampling
+    params = SamplingParams(max_tokens=64, temperature=1.0, ignore_eos=True)
+    rng = random.Random(1)
+    llm.generate([{"prompt_token_ids": [5] * 16}], params, use_tqdm=False)
+    runs: dict[str, list[tuple[float, float]]] = {"torch": [], "native": []}
+    for r in range(6):
+        for kind in ("native", "torch") if r % 2 == 0 else ("torch", "native"):
+            ops.native_sampling = native if kind == "native" else (lambda logits: None)
+            prompts = [
+                {"prompt_token_ids": [rng.randrange(100, 49000) for _ in range(128)]}
+                for _ in range(64)
+            ]
+            spent["s"] = 0.0
+            start = time.perf_counter()
+            llm.generate(prompts, params, use_tqdm=False)
+            runs[kind].append((time.perf_counter() - start, spent["s"]))
+    ops.native_sampling = native
+    for kind, v in runs.items():
+        total = statistics.median(x[0] for x in v)
+        sampling = statistics.median(x[1] for x in v)
+        print(f"{kind}: generate {total:.3f} s, LM head + draw {sampling:.3f} s (medians of 6)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--vocab", type=int, default=49152)
+    p.add_argument("--engine", metavar="MODEL", default=None)
+    args = p.parse_args()
+    ops_figures(args.rows, args.vocab)
+    if args.engine:
+        engine_figures(args.engine)
+
+
+if __name__ == "__main__":
+    main()
