@@ -4,7 +4,8 @@ temperature, max, subtract, exp, the chunked inverse CDF), on fp32 logits of Smo
 median of 9 blocks of calls. With `--engine MODEL`, the same two inside the engine: an
 in-process `LLM` generating 64 x 128 in / 64 out at temperature 1, the draw switched between
 the two every run (alternated, 6 runs each), timing the model runner's `_sample_tokens` (the
-LM head and the draw) and the whole `generate`.
+LM head and the draw) and the whole `generate`. Runs under the engine process's malloc
+settings (`spawn.ENGINE_GLIBC_TUNABLES`: large temporaries reused, not faulted in afresh).
 
     python scripts/cpu_sampling.py [--rows 1 8 64] [--engine .demo-model/SmolLM2-135M-Instruct]
 """
@@ -15,6 +16,7 @@ import argparse
 import os
 import random
 import statistics
+import sys
 import time
 from functools import partial
 
@@ -111,6 +113,11 @@ def engine_figures(model: str) -> None:
 
 
 def main() -> None:
+    from pagedllm.spawn import ENGINE_GLIBC_TUNABLES
+
+    if os.environ.get("GLIBC_TUNABLES") != ENGINE_GLIBC_TUNABLES:  # as the engine runs
+        env = dict(os.environ, GLIBC_TUNABLES=ENGINE_GLIBC_TUNABLES)
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--vocab", type=int, default=49152)
