@@ -1,7 +1,7 @@
-// The sampler's random draw in one pass over each row of logits (ops.cpp's sample_rows): the
-// same draw as sample/ops.py's two-level inverse CDF (a row's weights exp((l - max) / T), a
+// The sampler's random draw in one native call over the rows of logits (ops.cpp's
+// sample_rows): the same draw as sample/ops.py's two-level inverse CDF (a row's weights exp((l - max) / T), a
 // uniform u times their total picks a chunk of kSampleChunk tokens by the running sum of the
-// chunk sums, then a token inside it by the running sum of its weights), without the six
+// chunk sums, then a token inside it by the running sum of its weights), without the five
 // whole-row tensor passes the PyTorch ops make (temperature, max, subtract, exp, chunk sums:
 // each reading and most writing the [B, V] fp32 logits, 12.6 MB at 64 rows of a 49k
 // vocabulary). Here a row is read twice (its max, then its chunk sums) and never written; the
