@@ -1,12 +1,12 @@
 // The sampler's random draw in one native call over the rows of logits (ops.cpp's
-// sample_rows): the same draw as sample/ops.py's two-level inverse CDF (a row's weights exp((l - max) / T), a
-// uniform u times their total picks a chunk of kSampleChunk tokens by the running sum of the
-// chunk sums, then a token inside it by the running sum of its weights), without the five
-// whole-row tensor passes the PyTorch ops make (temperature, max, subtract, exp, chunk sums:
-// each reading and most writing the [B, V] fp32 logits, 12.6 MB at 64 rows of a 49k
-// vocabulary). Here a row is read twice (its max, then its chunk sums) and never written; the
-// picked chunk's 256 weights are computed again. A row's draw depends on its logits,
-// temperature and u alone (rows run one per thread, in a fixed order).
+// sample_rows): the same draw as sample/ops.py's two-level inverse CDF (a row's weights
+// exp((l - max) / T); a uniform u times their total picks a chunk of kSampleChunk tokens by the
+// running sum of the chunk sums, then a token inside it by the running sum of its weights),
+// without the five whole-row tensor passes the PyTorch ops make (temperature, max, subtract,
+// exp, chunk sums: each reading and most writing the [B, V] fp32 logits, 12.6 MB at 64 rows of
+// a 49k vocabulary). Here a row is read twice (its max, then its chunk sums) and never
+// written; the picked chunk's 256 weights are computed again. A row's draw depends on its
+// logits, temperature and u alone (rows run one per thread, in a fixed order).
 //
 // Weights whose exponent is below -87.3 (exp16's clamp; -inf logits, i.e. masked tokens,
 // among them) are exactly 0, so a masked token is never drawn; anything that small is below
