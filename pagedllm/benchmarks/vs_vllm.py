@@ -250,13 +250,11 @@ def worker_envs(args: argparse.Namespace, in_process: bool) -> tuple[dict, dict]
 
         env.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", MULTIPROCESSING_ENV: "0"})
         env.setdefault("GLIBC_TUNABLES", ENGINE_GLIBC_TUNABLES)
-    if args.no_amx:
-        env.update(NO_AMX_ENV)
     paged_env = dict(env, **dict(kv.split("=", 1) for kv in args.pagedllm_env))
     if args.no_amx:
-        paged_env["PAGEDLLM_CPU_AMX"] = "0"
+        paged_env.update(NO_AMX_ENV, PAGEDLLM_CPU_AMX="0")
         extra = env.get("PYTHONPATH")
-        env["PYTHONPATH"] = NO_AMX_SITE + (os.pathsep + extra if extra else "")
+        env.update(NO_AMX_ENV, PYTHONPATH=NO_AMX_SITE + (os.pathsep + extra if extra else ""))
     return env, paged_env
 
 

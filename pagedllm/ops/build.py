@@ -127,5 +127,7 @@ def cpu_ops() -> Any | None:
         except Exception as e:  # no compiler, no ninja, a failed build: stay on PyTorch
             logger.warning("pagedllm CPU kernels unavailable, using PyTorch ops (%s)", e)
             return None
+    # PAGEDLLM_CPU_AMX=0: the AVX-512 kernels even where the CPU has AMX tiles.
+    torch.ops.pagedllm.cpu_allow_amx(env_flag("PAGEDLLM_CPU_AMX", True))
     _register_fake_gemm()
     return torch.ops.pagedllm

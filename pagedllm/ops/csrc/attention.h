@@ -578,10 +578,7 @@ static inline bool prefill_head_size_ok(int64_t D) {
 template <class E>
 static void prefill_item(const DecodeAttnArgs<E>& a, const int64_t* qsl, int64_t b, int64_t kvh,
                          int64_t r0, float* scratch) {
-  static const bool avx512 = __builtin_cpu_supports("avx512f") &&
-                             __builtin_cpu_supports("avx512bw") &&
-                             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  if (avx512) switch (a.head_size) {
+  if (cpu_has_avx512()) switch (a.head_size) {
       case 32: return prefill_item_avx512<E, 2>(a, qsl, b, kvh, r0, scratch);
       case 64: return prefill_item_avx512<E, 4>(a, qsl, b, kvh, r0, scratch);
       case 128: return prefill_item_avx512<E, 8>(a, qsl, b, kvh, r0, scratch);

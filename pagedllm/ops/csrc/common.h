@@ -131,6 +131,13 @@ PAGEDLLM_AVX2_TARGET static inline float hmax8(__m256 v) {
 // AVX-512 without its BF16 extension: the AVX-512 attention kernels.
 #define PAGEDLLM_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
 
+// Whether this CPU runs PAGEDLLM_AVX512_TARGET code (checked once).
+static inline bool cpu_has_avx512() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return ok;
+}
+
 // exp8 on 16 lanes (the same steps, the power of two applied by vscalefps: one instruction for
 // four, the same product, since 2^n is a normal float over the clamped range): the AVX-512
 // softmaxes' and SiLU's exps.

@@ -24,11 +24,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include <cctype>
+#include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <string>
 
 #include "gemm.h"
 #include "gemm_int8.h"
@@ -49,28 +47,19 @@ constexpr int64_t kAmxMinRows = 2;
 // 2 MB L2 of these CPUs.
 constexpr int64_t kAmxRowBlockBytes = 512 * 1024;
 
-// Whether PAGEDLLM_CPU_AMX allows the tiles: unset, or 1 / true / yes / on (config.env_flag's
-// reading); PAGEDLLM_CPU_AMX=0 runs the AVX-512 kernels an AMX-less CPU (AMD Zen 4/5) runs.
-static bool amx_allowed_by_env() {
-  const char* v = std::getenv("PAGEDLLM_CPU_AMX");
-  if (v == nullptr) return true;
-  std::string s(v);
-  const auto space = [](unsigned char c) { return std::isspace(c) != 0; };
-  while (!s.empty() && space(s.back())) s.pop_back();
-  size_t i = 0;
-  while (i < s.size() && space(s[i])) ++i;
-  s = s.substr(i);
-  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return s == "1" || s == "true" || s == "yes" || s == "on";
+// Whether the tiles may be used at all: build.py's cpu_ops() sets it from PAGEDLLM_CPU_AMX
+// (config.env_flag, default on) when it loads the library, through the cpu_allow_amx op;
+// PAGEDLLM_CPU_AMX=0 runs the AVX-512 kernels an AMX-less CPU (AMD Zen 4/5) runs.
+static std::atomic<bool>& amx_allowed() {
+  static std::atomic<bool> allowed{true};
+  return allowed;
 }
 
 // Whether this process may use AMX tiles (bf16 and int8 products): the CPU has them (and the
-// AVX-512 kernels that take the K tails), PAGEDLLM_CPU_AMX does not turn them off, and Linux
-// granted the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM; once per process, as oneDNN
-// does it). Read once per process.
+// AVX-512 kernels that take the K tails), Linux granted the tile data state (arch_prctl
+// ARCH_REQ_XCOMP_PERM; once per process, as oneDNN does it), and amx_allowed.
 static bool amx_usable() {
   static const bool ok = [] {
-    if (!amx_allowed_by_env()) return false;
     if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-bf16") ||
         !__builtin_cpu_supports("amx-int8") || !__builtin_cpu_supports("avx512bf16") ||
         !__builtin_cpu_supports("avx512vnni"))
@@ -82,7 +71,7 @@ static bool amx_usable() {
     return false;
 #endif
   }();
-  return ok;
+  return ok && amx_allowed().load(std::memory_order_relaxed);
 }
 
 struct alignas(64) AmxTileConfig {

@@ -405,7 +405,7 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
 // [0, 1) (sampling.h); rows whose temperature is not above 0 (greedy rows of a mixed batch,
 // which the caller takes from its argmax) are not drawn and get token 0.
 at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& u) {
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+  const bool avx512 = cpu_has_avx512();
   TORCH_CHECK(avx512 || cpu_has_avx2_fma(), "pagedllm::sample_rows needs AVX-512 or AVX2 + FMA");
   TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1,
               "logits: float32 [B, V] with contiguous rows");
@@ -716,6 +716,8 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def("cpu_has_avx512_vnni() -> bool", &pagedllm::cpu_has_avx512_vnni);
   m.def("cpu_has_avx2_fma() -> bool", &pagedllm::cpu_has_avx2_fma);
   m.def("cpu_has_amx() -> bool", &pagedllm::amx_usable);
+  m.def("cpu_allow_amx(bool allowed) -> ()",
+        [](bool allowed) { pagedllm::amx_allowed().store(allowed, std::memory_order_relaxed); });
   // GEMMs: CPU kernels (not catch-alls) so that build.py can give them fakes for torch.compile.
   m.def("linear_silu_mul(Tensor x, Tensor w, Tensor? bias, int n) -> Tensor",
         [](const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
