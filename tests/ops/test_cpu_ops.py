@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedllm.config import env_flag
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.cpu_gemm import to_panels
 from pagedllm.layers.layernorm import RMSNorm
@@ -29,6 +30,15 @@ needs_avx2 = pytest.mark.skipif(
     ops is None or not ops.cpu_has_avx2_fma(), reason="no AVX2 + FMA on this CPU"
 )
 BF16 = torch.bfloat16
+
+
+@pytest.fixture(params=[True, False], ids=["amx-allowed", "amx-off"])
+def amx_allowed(request):
+    """The kernels with AMX tiles allowed (where the CPU has them) and turned off."""
+    default = env_flag("PAGEDLLM_CPU_AMX", True)
+    ops.cpu_allow_amx(request.param and default)
+    yield request.param
+    ops.cpu_allow_amx(default)
 
 
 def torch_path(monkeypatch):
@@ -126,6 +136,40 @@ def test_linear_bf16_rows_do_not_depend_on_their_batch(k):
         assert torch.equal(ops.linear(x[start:stop], panels, None, 200, True), full[start:stop])
     if not ops.cpu_has_amx():
         assert torch.equal(ops.linear(x[7:8], panels, None, 200, True), full[7:8])
+
+
+@needs_bf16
+@pytest.mark.parametrize("m", [1, 5, 7, 64, 130])
+@pytest.mark.parametrize("n,k", [(100, 96), (960, 576), (4160, 64)])
+def test_bf16_products_do_not_depend_on_the_thread_count(m, n, k):
+    """Every output of the panel products (plain, and with SiLU x mul) is the same bits on 1,
+    2 or 3 threads: however the threads share the items out, each output is one item's whole
+    sum, in an order fixed by K alone."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g).to(BF16)
+    w = (torch.randn(2 * n, k, generator=g) * 0.1).to(BF16)
+    bias = torch.randn(2 * n, generator=g).to(BF16)
+    panels, gu = to_panels(w[:n]), to_panels(w[: 2 * (n // 64 * 64)])
+    n_gu = 2 * (n // 64 * 64)
+    saved = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(
+                (
+                    ops.linear(x, panels, bias[:n], n, True),
+                    ops.linear(x, panels, None, n, False),
+                    ops.linear_silu_mul(x, gu, bias[:n_gu], n_gu),
+                )
+            )
+    finally:
+        torch.set_num_threads(saved)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+    ref = F.linear(x.double(), w[:n].double(), bias[:n].double())
+    torch.testing.assert_close(results[1][0].double(), ref, rtol=1e-4, atol=4e-4)
 
 
 @needs_bf16
@@ -327,11 +371,13 @@ def reference_prefill(q, kv_cache, block_table, seq_lens, qsl, reqs, scale):
     ],
 )
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
-def test_paged_prefill_attention(heads, kv_heads, d, block_size, spans, dtype):
+def test_paged_prefill_attention(heads, kv_heads, d, block_size, spans, dtype, amx_allowed):
     """Multi-token queries (spans: context, new rows) against fp64 SDPA with the bottom-right
     causal mask; rows of requests not asked for stay untouched; and a request's rows come out
     bit-identical in one call or in chunks (as chunked prefill and prefix caching split it),
-    whatever else is in the call."""
+    whatever else is in the call. bf16 with head size 64 / 128 takes the tile layout's kernel
+    (AMX tiles, or AVX512-BF16 vectors with AMX off or absent), the rest the fp32 vector
+    kernels."""
     g = torch.Generator().manual_seed(sum(c + n for c, n in spans) + d)
     num_blocks = 96
     lens = [c + n for c, n in spans]

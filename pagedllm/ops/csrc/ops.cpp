@@ -525,9 +525,12 @@ void paged_prefill_attention(const at::Tensor& q, at::Tensor& out, const at::Ten
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t* rp = reqs.data_ptr<int64_t>();
-  // The AMX kernel (bf16) or the vector kernels, and their rows per item.
-  const bool amx = q.scalar_type() == at::kBFloat16 && prefill_amx_applies(D);
-  const int64_t item_rows = amx ? kPrefillAmxRows : kPrefillRows;
+  // bf16 on the tile layout (attention_tiles.h: AMX tiles, else AVX512-BF16 vectors), or
+  // the fp32 vector kernels; and their rows per item.
+  const bool bf16 = q.scalar_type() == at::kBFloat16;
+  const bool amx = bf16 && prefill_amx_applies(D);
+  const bool tiles = bf16 && !amx && prefill_tiles_head_size(D) && cpu_has_avx512_bf16();
+  const int64_t item_rows = amx || tiles ? kPrefillTileRows : kPrefillRows;
   std::vector<int64_t> items;  // request, row block, KV head
   for (int64_t i = 0; i < reqs.numel(); ++i) {
     const int64_t r = rp[i];
@@ -553,6 +556,11 @@ void paged_prefill_attention(const at::Tensor& q, at::Tensor& out, const at::Ten
           for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < total;)
             prefill_item_amx(a, qsl, items[3 * i], items[3 * i + 2], items[3 * i + 1]);
           amx_release();
+          return;
+        }
+        if (tiles) {
+          for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < total;)
+            prefill_item_tiles_bf16(a, qsl, items[3 * i], items[3 * i + 2], items[3 * i + 1]);
           return;
         }
       }
