@@ -13,7 +13,9 @@ read the same weight layout (this checkout's `to_panels`); their outputs are com
 (equal bits expected unless a change means to alter them; the largest difference is printed).
 Prints per row count the medians, and the median of the per-round ratios (REV time / this
 checkout's time: above 1, this checkout is faster). `--attention LOW HIGH` adds prefill
-attention (`paged_prefill_attention`) on 64 prompts of LOW-HIGH tokens.
+attention (`paged_prefill_attention`) on 64 prompts of LOW-HIGH tokens; `--decode B LOW HIGH`
+decode attention (`paged_decode_attention`) of B requests of LOW-HIGH tokens, over 30 layers'
+caches (their K / V from memory, as in a step).
 """
 
 from __future__ import annotations
@@ -93,6 +95,30 @@ def prefill_attention_case(low: int, high: int):
     return run
 
 
+def decode_attention_case(batch: int, low: int, high: int, layers: int = LAYERS):
+    """paged_decode_attention of `batch` requests of low-high tokens (SmolLM2's heads, bf16,
+    blocks of 16 in a shuffled cache), one call per layer's cache: a function of the ops
+    namespace."""
+    g = torch.Generator().manual_seed(1)
+    heads, kv_heads, d, bs = 9, 3, 64, 16
+    lens = torch.randint(low, high + 1, (batch,), generator=g).int()
+    blocks = [-(-int(n) // bs) for n in lens]
+    caches = [
+        torch.randn(2, sum(blocks), bs, kv_heads, d, generator=g).bfloat16() for _ in range(layers)
+    ]
+    ids = torch.randperm(sum(blocks), generator=g).int()
+    table = torch.zeros(batch, max(blocks), dtype=torch.int32)
+    for r, start in enumerate(torch.tensor([0] + blocks).cumsum(0)[:-1].tolist()):
+        table[r, : blocks[r]] = ids[start : start + blocks[r]]
+    q = torch.randn(batch, heads, d, generator=g).bfloat16()
+    longest = int(lens.max())
+
+    def run(ops) -> list[torch.Tensor]:
+        return [ops.paged_decode_attention(q, kv, table, lens, longest, d**-0.5) for kv in caches]
+
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("rev", help="git revision to compare this checkout's kernels with")
@@ -100,6 +126,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--attention", type=int, nargs=2, metavar=("LOW", "HIGH"),
                         help="also time prefill attention on 64 prompts of LOW-HIGH tokens")  # fmt: skip
+    parser.add_argument("--decode", type=int, nargs=3, metavar=("B", "LOW", "HIGH"),
+                        help="also time decode attention of B requests of LOW-HIGH tokens")  # fmt: skip
     args = parser.parse_args()
     if cpu_ops() is None:
         sys.exit("needs pagedllm's native kernels")
@@ -130,6 +158,9 @@ def main() -> None:
     if args.attention:
         low, high = args.attention
         cases[f"attention {low}-{high}"] = prefill_attention_case(low, high)
+    if args.decode:
+        batch, low, high = args.decode
+        cases[f"decode {batch} x {low}-{high}"] = decode_attention_case(batch, low, high)
     for label, run in cases.items():
         a, b = (run(ops) for ops in versions.values())
         diff = max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b))

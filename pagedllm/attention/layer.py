@@ -4,14 +4,13 @@ together with this layer's own paged KV-cache tensor."""
 from __future__ import annotations
 
 import math
-import mmap
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend
+from pagedllm.layers.cpu_memory import anonymous_bytes
 
 
 class Attention(nn.Module):
@@ -128,15 +127,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    # Private and anonymous: page-aligned, zero-filled on first touch, not shared on fork.
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            region.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # a kernel without THP: 4 KB pages
-            pass
-    buf = np.frombuffer(region, dtype=np.uint8)  # keeps the mapping alive with the tensor
-    return torch.from_numpy(buf).view(dtype).view(shape)
+    return anonymous_bytes(nbytes).view(dtype).view(shape)
 
 
 def allocate_kv_caches(

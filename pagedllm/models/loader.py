@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from pagedllm.config import EngineConfig
+from pagedllm.layers.cpu_memory import place_panels_on_huge_pages
 from pagedllm.layers.quantization import quantize_model_
 from pagedllm.models.registry import resolve_model_cls
 from pagedllm.transformers_utils.gguf import is_gguf_checkpoint_dir
@@ -149,4 +150,6 @@ def load_module(
         hook = getattr(sub, "process_weights_after_loading", None)
         if hook is not None:
             hook()
+    if device.type == "cpu":
+        place_panels_on_huge_pages(module)
     return module.eval()
