@@ -6,7 +6,9 @@ the default 4 KB pages that stream crosses a page boundary every 4 KB (a TLB mis
 hardware prefetchers stop at the boundary). With the kernel's THP mode "madvise" (common on
 servers and VMs, and this project's machines) only memory that asks gets 2 MB pages. The 120
 SmolLM2 projections of a batch-1 step streamed at 19.5 GB/s from 4 KB pages and 22.6 GB/s from
-2 MB pages (1.18x; 1.07x at 64 rows; BENCHMARKS.md, Zen 4).
+2 MB pages (1.18x; 1.07x at 64 rows; BENCHMARKS.md, Zen 4). The move costs start-up time:
+the kernel compacts memory to find the 2 MB pages (0.3-0.6 s for 269 MB on these VMs);
+`PAGEDLLM_WEIGHT_HUGE_PAGES=0` keeps the weights where PyTorch put them.
 """
 
 from __future__ import annotations

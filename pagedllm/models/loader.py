@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, env_flag
 from pagedllm.layers.cpu_memory import place_panels_on_huge_pages
 from pagedllm.layers.quantization import quantize_model_
 from pagedllm.models.registry import resolve_model_cls
@@ -150,6 +150,6 @@ def load_module(
         hook = getattr(sub, "process_weights_after_loading", None)
         if hook is not None:
             hook()
-    if device.type == "cpu":
+    if device.type == "cpu" and env_flag("PAGEDLLM_WEIGHT_HUGE_PAGES", True):
         place_panels_on_huge_pages(module)
     return module.eval()
