@@ -71,25 +71,34 @@ def build_revision(rev: str) -> str:
     return "pagedllm_ab"
 
 
-def prefill_attention_case(low: int, high: int):
-    """paged_prefill_attention on 64 prompts of low-high tokens (SmolLM2's 9 query / 3 KV
-    heads of 64, bf16, blocks of 16 in a shuffled cache): a function of the ops namespace."""
-    g = torch.Generator().manual_seed(0)
-    heads, kv_heads, d, bs = 9, 3, 64, 16
-    lens = torch.randint(low, high + 1, (64,), generator=g)
-    blocks = [-(-int(n) // bs) for n in lens]
-    kv = torch.randn(2, sum(blocks), bs, kv_heads, d, generator=g).bfloat16()
+HEADS, KV_HEADS, HEAD, BLOCK = 9, 3, 64, 16  # SmolLM2's attention, 16-token cache blocks
+
+
+def shuffled_blocks(lens: torch.Tensor, g: torch.Generator) -> tuple[int, torch.Tensor]:
+    """(cache blocks, block table [requests, most blocks]): each request's blocks for its
+    length, in a shuffled order across the cache."""
+    blocks = [-(-int(n) // BLOCK) for n in lens]
     ids = torch.randperm(sum(blocks), generator=g).int()
     table = torch.zeros(len(blocks), max(blocks), dtype=torch.int32)
     for r, start in enumerate(torch.tensor([0] + blocks).cumsum(0)[:-1].tolist()):
         table[r, : blocks[r]] = ids[start : start + blocks[r]]
+    return sum(blocks), table
+
+
+def prefill_attention_case(low: int, high: int):
+    """paged_prefill_attention on 64 prompts of low-high tokens (SmolLM2's 9 query / 3 KV
+    heads of 64, bf16, blocks of 16 in a shuffled cache): a function of the ops namespace."""
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(low, high + 1, (64,), generator=g)
+    num_blocks, table = shuffled_blocks(lens, g)
+    kv = torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD, generator=g).bfloat16()
     qsl = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
-    q = torch.randn(int(qsl[-1]), heads, d, generator=g).bfloat16()
-    reqs = torch.arange(len(blocks))
+    q = torch.randn(int(qsl[-1]), HEADS, HEAD, generator=g).bfloat16()
+    reqs = torch.arange(len(lens))
 
     def run(ops) -> list[torch.Tensor]:
         out = torch.empty_like(q)
-        ops.paged_prefill_attention(q, out, kv, table, lens.int(), qsl, reqs, d**-0.5)
+        ops.paged_prefill_attention(q, out, kv, table, lens.int(), qsl, reqs, HEAD**-0.5)
         return [out]
 
     return run
@@ -100,21 +109,19 @@ def decode_attention_case(batch: int, low: int, high: int, layers: int = LAYERS)
     blocks of 16 in a shuffled cache), one call per layer's cache: a function of the ops
     namespace."""
     g = torch.Generator().manual_seed(1)
-    heads, kv_heads, d, bs = 9, 3, 64, 16
     lens = torch.randint(low, high + 1, (batch,), generator=g).int()
-    blocks = [-(-int(n) // bs) for n in lens]
+    num_blocks, table = shuffled_blocks(lens, g)
     caches = [
-        torch.randn(2, sum(blocks), bs, kv_heads, d, generator=g).bfloat16() for _ in range(layers)
+        torch.randn(2, num_blocks, BLOCK, KV_HEADS, HEAD, generator=g).bfloat16()
+        for _ in range(layers)
     ]
-    ids = torch.randperm(sum(blocks), generator=g).int()
-    table = torch.zeros(batch, max(blocks), dtype=torch.int32)
-    for r, start in enumerate(torch.tensor([0] + blocks).cumsum(0)[:-1].tolist()):
-        table[r, : blocks[r]] = ids[start : start + blocks[r]]
-    q = torch.randn(batch, heads, d, generator=g).bfloat16()
+    q = torch.randn(batch, HEADS, HEAD, generator=g).bfloat16()
     longest = int(lens.max())
 
     def run(ops) -> list[torch.Tensor]:
-        return [ops.paged_decode_attention(q, kv, table, lens, longest, d**-0.5) for kv in caches]
+        return [
+            ops.paged_decode_attention(q, kv, table, lens, longest, HEAD**-0.5) for kv in caches
+        ]
 
     return run
 

@@ -46,25 +46,27 @@ def place_panels_on_huge_pages(model: nn.Module) -> int:
     CPU into one mapping on huge pages, each at a 4 KB boundary, in module order (the order a
     forward streams them). The old copies are freed and their heap pages given back to the OS
     (malloc_trim), so the weights are not held twice. Returns the bytes moved."""
-    owners: dict[int, list[nn.Module]] = {}  # a buffer shared by modules moves once
-    panels: dict[int, torch.Tensor] = {}
+    # buffer id -> (the buffer, the modules holding it): a buffer shared by modules moves once
+    panels: dict[int, tuple[torch.Tensor, list[nn.Module]]] = {}
     for module in model.modules():
         buf = module._buffers.get("weight_panels")
         if isinstance(buf, torch.Tensor) and buf.device.type == "cpu":
-            owners.setdefault(id(buf), []).append(module)
-            panels[id(buf)] = buf
+            panels.setdefault(id(buf), (buf, []))[1].append(module)
     if not panels:
         return 0
-    spans = {key: (buf.nbytes + 4095) // 4096 * 4096 for key, buf in panels.items()}
-    arena = anonymous_bytes(sum(spans.values()), align=HUGE_PAGE)
+
+    def span(t: torch.Tensor) -> int:  # each buffer at a 4 KB boundary
+        return (t.nbytes + 4095) // 4096 * 4096
+
+    arena = anonymous_bytes(sum(span(buf) for buf, _ in panels.values()), align=HUGE_PAGE)
     offset = 0
-    for key, buf in panels.items():
+    for buf, modules in panels.values():
         moved = arena[offset : offset + buf.nbytes].view(buf.dtype).view(buf.shape)
         moved.copy_(buf)
-        for module in owners[key]:
+        for module in modules:
             module._buffers["weight_panels"] = moved
-        offset += spans[key]
-    del panels, buf
+        offset += span(buf)
+    del panels, buf  # the old copies, freed before the heap is trimmed
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: the freed copies stay with the allocator

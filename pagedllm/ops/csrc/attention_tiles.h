@@ -83,7 +83,7 @@ PAGEDLLM_BF16_TARGET static inline void transpose16_epi32(__m512i r[16]) {
 // vt [2 C2][nblk][8 x 16 dwords], Q qb [16][D / 2 dwords], S s [16][Lp], P p [16][Lp / 2
 // dwords], O ob [16][64], row sums [16].
 struct PrefillTiles {
-  int64_t G, ctx, r1, end, nblk, Lp;
+  int64_t G, ctx, r1, nblk, Lp;
   float *kt, *vt;
   uint16_t* qb;
   float* s;
@@ -103,8 +103,8 @@ PAGEDLLM_BF16_TARGET static inline PrefillTiles prefill_tiles(const DecodeAttnAr
   t.G = a.num_heads / a.num_kv_heads;
   t.ctx = a.seq_lens[b] - qlen;
   t.r1 = std::min(qlen, r0 + kPrefillTileRows);
-  t.end = t.ctx + t.r1;
-  t.nblk = (t.end + 2 * KB - 1) / (2 * KB) * 2;
+  const int64_t end = t.ctx + t.r1;  // the last row's keys: 0 .. end - 1
+  t.nblk = (end + 2 * KB - 1) / (2 * KB) * 2;
   t.Lp = t.nblk * KB;
   const int64_t kt_n = t.nblk * C2 * 256, vt_n = t.nblk * 2 * C2 * 128;
   t.kt = prefill_tiles_scratch(kt_n + vt_n + 16 * D / 2 + 16 * t.Lp + 8 * t.Lp + 16 * 64 + 16);
@@ -115,7 +115,6 @@ PAGEDLLM_BF16_TARGET static inline PrefillTiles prefill_tiles(const DecodeAttnAr
   t.ob = t.s + 16 * t.Lp + 8 * t.Lp;
   t.sums = t.ob + 16 * 64;
   static const uint16_t zero_row[D] = {};
-  const int64_t end = t.end;
   const auto key_row = [&](int64_t tok, bool value) {
     return tok < end ? a.row(b, kvh, tok, value) : zero_row;
   };
@@ -224,6 +223,17 @@ PAGEDLLM_BF16_TARGET static inline void bf16_scores(const DecodeAttnArgs<Bf16>& 
     for (int n = 0; n < N; ++n) _mm512_storeu_ps(t.s + (i0 + r) * t.Lp + (j0 + n) * 16, acc[r][n]);
 }
 
+// S rows i0 .. i0 + R against key blocks 0 .. sblk, four blocks at a time.
+template <int C2, int R>
+PAGEDLLM_BF16_TARGET static inline void bf16_score_rows(const DecodeAttnArgs<Bf16>& a,
+                                                        const PrefillTiles& t, const int64_t* qsl,
+                                                        int64_t b, int64_t head, int64_t s0,
+                                                        int64_t i0, int64_t sblk) {
+  int64_t j = 0;
+  for (; j + 4 <= sblk; j += 4) bf16_scores<C2, R, 4>(a, t, qsl, b, head, s0, i0, j);
+  for (; j < sblk; ++j) bf16_scores<C2, R, 1>(a, t, qsl, b, head, s0, i0, j);
+}
+
 // O rows i0 .. i0 + R, columns 64 dg .. 64 dg + 63 (four column tiles) into t.ob: the rows'
 // bf16 weight pairs times V's key-pair rows, over spairs 32-key steps.
 template <int R>
@@ -262,16 +272,9 @@ PAGEDLLM_BF16_TARGET static void prefill_item_tiles_bf16_t(const DecodeAttnArgs<
     const int64_t nr4 = (nr + R - 1) / R * R;  // rows in groups of R (past nr: weights 0)
     for (int64_t g = 0; g < t.G; ++g) {
       const int64_t head = kvh * t.G + g;
-      for (int64_t i = 0; i + R <= nr; i += R) {  // S, four blocks at a time
-        int64_t j = 0;
-        for (; j + 4 <= sblk; j += 4) bf16_scores<C2, R, 4>(a, t, qsl, b, head, s0, i, j);
-        for (; j < sblk; ++j) bf16_scores<C2, R, 1>(a, t, qsl, b, head, s0, i, j);
-      }
-      for (int64_t i = nr / R * R; i < nr; ++i) {
-        int64_t j = 0;
-        for (; j + 4 <= sblk; j += 4) bf16_scores<C2, 1, 4>(a, t, qsl, b, head, s0, i, j);
-        for (; j < sblk; ++j) bf16_scores<C2, 1, 1>(a, t, qsl, b, head, s0, i, j);
-      }
+      int64_t i = 0;  // S: R rows at a time, then the rest one by one
+      for (; i + R <= nr; i += R) bf16_score_rows<C2, R>(a, t, qsl, b, head, s0, i, sblk);
+      for (; i < nr; ++i) bf16_score_rows<C2, 1>(a, t, qsl, b, head, s0, i, sblk);
       prefill_tiles_softmax(t, a.scale, s0, nr, spairs);
       for (int64_t dg = 0; dg < C2 / 2; ++dg) {  // O = P V, 64 columns at a time
         for (int64_t i = 0; i < nr4; i += R) bf16_values<R>(t, i, dg, spairs);

@@ -550,23 +550,25 @@ void paged_prefill_attention(const at::Tensor& q, at::Tensor& out, const at::Ten
                         block_table.data_ptr<int32_t>(), block_table.stride(0), lens,
                         static_cast<float>(scale)};
     std::atomic<int64_t> next{0};
+    // kernel(request, KV head, first row) for each item this thread claims.
+    auto claim = [&](auto&& kernel) {
+      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < total;)
+        kernel(items[3 * i], items[3 * i + 2], items[3 * i + 1]);
+    };
     at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), total), 1, [&](int64_t, int64_t) {
       if constexpr (std::is_same_v<E, Bf16>) {
         if (amx) {
-          for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < total;)
-            prefill_item_amx(a, qsl, items[3 * i], items[3 * i + 2], items[3 * i + 1]);
+          claim([&](int64_t r, int64_t h, int64_t r0) { prefill_item_amx(a, qsl, r, h, r0); });
           amx_release();
           return;
         }
         if (tiles) {
-          for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < total;)
-            prefill_item_tiles_bf16(a, qsl, items[3 * i], items[3 * i + 2], items[3 * i + 1]);
+          claim([&](int64_t r, int64_t h, int64_t r0) { prefill_item_tiles_bf16(a, qsl, r, h, r0); });
           return;
         }
       }
       std::vector<float> buf(prefill_scratch(H / Hkv, D));
-      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < total;)
-        prefill_item(a, qsl, items[3 * i], items[3 * i + 2], items[3 * i + 1], buf.data());
+      claim([&](int64_t r, int64_t h, int64_t r0) { prefill_item(a, qsl, r, h, r0, buf.data()); });
     });
   });
 }
