@@ -317,6 +317,8 @@ def test_reshape_and_cache(dtype):
         # AVX512-BF16 kernel: chunks shorter than 16 (block size 8, 24), query heads in
         # groups (7, 8 a KV head), every head size it takes.
         (14, 2, 64, 8, [9, 70]),
+        # odd chunks (block size 5): token pairs of P V start at odd positions too
+        (9, 3, 64, 5, [23, 4, 1]),
         (4, 1, 32, 16, [31, 16, 50]),
         (6, 2, 96, 24, [100, 7]),
         (2, 1, 256, 16, [45]),

@@ -600,10 +600,13 @@ static void prefill_item(const DecodeAttnArgs<E>& a, const int64_t* qsl, int64_t
 //   unpack steps: each 128-bit lane then holds one column of four rows) and multiplied by
 //   the query's columns spread the same way; a 4 x 4 lane reduction per query head at the
 //   end of the chunk gives its 16 scores in one vector.
-// - softmax on 16 lanes.
-// - P V in fp32: each V row is widened by two unpacks against zero (bf16 -> fp32 is a 16-bit
-//   shift), which permutes the columns within 128-bit lanes; the accumulators keep that
-//   order and are put back in place once, at the store.
+// - softmax on 16 lanes; the weights rounded to bf16 (as the prefill tile kernel's,
+//   attention_tiles.h), the sum taken over the rounded weights.
+// - P V with vdpbf16ps on token pairs: two V rows interleaved by two unpacks (each 32-bit
+//   lane then holds one column of both rows) against the pair's two weights, half the
+//   multiply instructions of widening V to fp32. The unpacks permute the columns within
+//   128-bit lanes; the accumulators keep that order and are put back in place once, at the
+//   store.
 // Registers hold the output of up to 16 / (D / 16) query heads at a time.
 
 // One chunk's K or V rows: n valid rows from src (stride elements apart); rows past n repeat
@@ -729,29 +732,38 @@ PAGEDLLM_BF16_TARGET static inline void store_unpacked_bf16(uint16_t* dst, __m51
   store16(dst + 16, _mm512_permutex2var_ps(lo, second, hi));
 }
 
-// out[g] = sum_t p[g][t] v_t / sum for NG query heads (p: softmax numerators, inv: 1 / sums).
+// out[g] = sum_t p[g][t] v_t * inv[g] for NG query heads (p: the bf16 softmax numerators,
+// [g][L]; inv: 1 / their sums). Tokens go in pairs within a chunk; a chunk's odd last token
+// pairs with a zero weight (and its own row again).
 template <int C2, int NG>
-PAGEDLLM_BF16_TARGET static inline void decode_values_bf16(DecodeChunks chunks, const float* p,
+PAGEDLLM_BF16_TARGET static inline void decode_values_bf16(DecodeChunks chunks, const uint16_t* p,
                                                            int64_t L, const float* inv,
                                                            uint16_t* out, DecodeNext& next) {
   constexpr int64_t D = 32 * C2;
   __m512 o[NG][2 * C2];
   for (int g = 0; g < NG; ++g)
     for (int c = 0; c < 2 * C2; ++c) o[g][c] = _mm512_setzero_ps();
-  const __m512i zero = _mm512_setzero_si512();
   for (int64_t j = 0; j < L;) {
     const DecodeChunk v = chunks.next(j);
     next.step(true);
-    for (int64_t t = 0; t < v.n; ++t) {
-      __m512 w[NG];
-      for (int g = 0; g < NG; ++g) w[g] = _mm512_set1_ps(p[g * L + j + t]);
+    for (int64_t t = 0; t < v.n; t += 2) {
+      const bool pair = t + 1 < v.n;
+      __m512bh w[NG];
+      for (int g = 0; g < NG; ++g) {
+        const uint16_t* pg = p + g * L + j + t;
+        uint32_t word = pg[0];
+        if (pair) std::memcpy(&word, pg, sizeof(word));
+        w[g] = (__m512bh)_mm512_set1_epi32(static_cast<int>(word));
+      }
+      const uint16_t* r0 = v.src + t * v.stride;
+      const uint16_t* r1 = pair ? r0 + v.stride : r0;
       for (int h = 0; h < C2; ++h) {
-        const __m512i x = _mm512_loadu_si512(v.src + t * v.stride + 32 * h);
-        const __m512 lo = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, x));
-        const __m512 hi = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, x));
+        const __m512i x0 = _mm512_loadu_si512(r0 + 32 * h), x1 = _mm512_loadu_si512(r1 + 32 * h);
+        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x0, x1);
+        const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
         for (int g = 0; g < NG; ++g) {
-          o[g][2 * h] = _mm512_fmadd_ps(w[g], lo, o[g][2 * h]);
-          o[g][2 * h + 1] = _mm512_fmadd_ps(w[g], hi, o[g][2 * h + 1]);
+          o[g][2 * h] = _mm512_dpbf16_ps(o[g][2 * h], lo, w[g]);
+          o[g][2 * h + 1] = _mm512_dpbf16_ps(o[g][2 * h + 1], hi, w[g]);
         }
       }
     }
@@ -763,11 +775,13 @@ PAGEDLLM_BF16_TARGET static inline void decode_values_bf16(DecodeChunks chunks, 
                           _mm512_set1_ps(inv[g]));
 }
 
-// softmax_rows_avx2 on 16 lanes.
-PAGEDLLM_BF16_TARGET static void softmax_rows_avx512(float* scores, int64_t G, int64_t L,
-                                                     float* inv) {
+// Softmax of each of G rows of L fp32 scores on 16 lanes: the numerators rounded to bf16 into
+// p ([G][L]), inv[g] = 1 / the sum of the rounded numerators.
+PAGEDLLM_BF16_TARGET static void softmax_rows_bf16(const float* scores, int64_t G, int64_t L,
+                                                   uint16_t* p, float* inv) {
   for (int64_t g = 0; g < G; ++g) {
-    float* sg = scores + g * L;
+    const float* sg = scores + g * L;
+    uint16_t* pg = p + g * L;
     __m512 mv = _mm512_set1_ps(-INFINITY);
     for (int64_t t = 0; t < L; t += 16) {
       const __mmask16 k = static_cast<__mmask16>((1u << std::min<int64_t>(16, L - t)) - 1);
@@ -778,8 +792,9 @@ PAGEDLLM_BF16_TARGET static void softmax_rows_avx512(float* scores, int64_t G, i
     for (int64_t t = 0; t < L; t += 16) {
       const __mmask16 k = static_cast<__mmask16>((1u << std::min<int64_t>(16, L - t)) - 1);
       const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + t), mb)));
-      _mm512_mask_storeu_ps(sg + t, k, e);
-      sv = _mm512_add_ps(sv, e);
+      const __m256bh eb = _mm512_cvtneps_pbh(e);
+      _mm256_mask_storeu_epi16(pg + t, k, (__m256i)eb);
+      sv = _mm512_add_ps(sv, _mm512_cvtpbh_ps(eb));
     }
     inv[g] = 1.f / _mm512_reduce_add_ps(sv);
   }
@@ -795,6 +810,7 @@ PAGEDLLM_BF16_TARGET static void decode_item_bf16(const DecodeAttnArgs<Bf16>& a,
   float* scores = scratch;       // [G][L]
   float* qp = scores + G * L;    // [G][C2][4][16]
   float* inv = qp + G * D * 2;   // [G]
+  uint16_t* p16 = reinterpret_cast<uint16_t*>(inv + G);  // [G][L], the bf16 weights
   const uint16_t* q = a.q + b * a.q_stride + kvh * G * D;
   for (int64_t g = 0; g < G; ++g)
     for (int h = 0; h < C2; ++h) {
@@ -822,11 +838,11 @@ PAGEDLLM_BF16_TARGET static void decode_item_bf16(const DecodeAttnArgs<Bf16>& a,
       j += k.n;
     }
   }
-  softmax_rows_avx512(scores, G, L, inv);
+  softmax_rows_bf16(scores, G, L, p16, inv);
   uint16_t* out = a.out + (b * a.num_heads + kvh * G) * D;
   const DecodeChunks values(a, b, kvh, true);
   for (int64_t g0 = 0; g0 < G; g0 += kValueHeads) {
-    const float* p = scores + g0 * L;
+    const uint16_t* p = p16 + g0 * L;
     uint16_t* o = out + g0 * D;
     // (No group is larger than kValueHeads: the cases above it are never taken.)
     switch (std::min<int64_t>(kValueHeads, G - g0)) {

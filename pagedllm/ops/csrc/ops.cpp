@@ -483,7 +483,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   TORCH_CHECK(H % Hkv == 0 && kv_cache.size(4) == D, "head counts / sizes disagree");
   at::Tensor out = at::empty({B, H, D}, q.options());
   const int64_t G = H / Hkv;
-  const int64_t scratch = G * (max_seq_len + 2 * D + 1) + (kv_cache.size(2) + 1) * D;
+  // Per item: the scores, the spread queries, 1 / sums and (bf16 kernel) the bf16 weights, or
+  // (AVX2 kernel) a block of widened rows.
+  const int64_t scratch =
+      G * (max_seq_len + 2 * D + 1) + std::max(G * (max_seq_len + 1) / 2, (kv_cache.size(2) + 1) * D);
   by_dtype(q, "query", [&]<class E>() {
     DecodeAttnArgs<E> a{data<E>(out), data<E>(q), q.stride(0), data<E>(kv_cache),
                         kv_cache.size(1), kv_cache.size(2), H, Hkv, D,
