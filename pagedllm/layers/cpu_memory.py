@@ -6,8 +6,10 @@ the default 4 KB pages that stream crosses a page boundary every 4 KB (a TLB mis
 hardware prefetchers stop at the boundary). With the kernel's THP mode "madvise" (common on
 servers and VMs, and this project's machines) only memory that asks gets 2 MB pages. The 120
 SmolLM2 projections of a batch-1 step streamed at 19.5 GB/s from 4 KB pages and 22.6 GB/s from
-2 MB pages (1.18x; 1.07x at 64 rows; BENCHMARKS.md, Zen 4). The move costs start-up time:
-the kernel compacts memory to find the 2 MB pages (0.3-0.6 s for 269 MB on these VMs);
+2 MB pages (1.18x; 1.07x at 64 rows; BENCHMARKS.md, Zen 4). The move costs start-up time on
+a virtual machine whose host backs guest memory lazily: the first touch of 2 MB pages the
+guest has never used is slow (270 MB populated in 0.6 s the first time, 0.03 s the next; on
+4 KB pages 0.1 s both times), 0.3-0.8 s of `LLM(...)` on a fresh VM and little after;
 `PAGEDLLM_WEIGHT_HUGE_PAGES=0` keeps the weights where PyTorch put them.
 """
 
