@@ -19,20 +19,39 @@ from pagedllm.transformers_utils.config import resolve_local_dir
 T = TypeVar("T")
 
 
+# tokenizer_config.json's names for transformers' generic fast tokenizer (`TokenizersBackend`;
+# PreTrainedTokenizerFast is its older name), and the model types for which AutoTokenizer
+# loads a checkpoint naming it as exactly that class: no model-type override of transformers 5
+# applies to them (qwen2's table entry does override it, mistral's may pick its own format).
+# tests/transformers_utils/test_tokenizer.py checks that both give the same tokenizer.
+_GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+_GENERIC_TOKENIZER_MODEL_TYPES = frozenset({"llama"})
+
+
 def get_tokenizer(name: str, trust_remote_code: bool = False, **kwargs: Any) -> Any:
     """The transformers tokenizer stored in the local directory `name`.
 
-    Extra keyword arguments go to `AutoTokenizer.from_pretrained`.
+    Extra keyword arguments go to `AutoTokenizer.from_pretrained`. A checkpoint whose
+    tokenizer AutoTokenizer would load as transformers' generic fast tokenizer loads it
+    directly: AutoTokenizer's module imports `transformers.models`, whose lazy structure reads
+    every model file's `__all__` (~1,700 files; `LLM(...)` is ready ~0.2 s sooner without it,
+    BENCHMARKS.md).
     """
-    from transformers import AutoTokenizer
-
     path = resolve_local_dir(name, what="tokenizer")
+    direct = not kwargs  # extra arguments are AutoTokenizer's to read
+    configs = None if trust_remote_code or "config" in kwargs else _read_configs(path)
     kwargs.setdefault("local_files_only", True)
-    if "config" not in kwargs and not trust_remote_code:
-        light = _light_model_config(path)
-        if light is not None:
-            kwargs["config"] = light
     try:
+        if direct and configs is not None and _loads_as_generic(path, *configs):
+            generic = _generic_tokenizer_class()
+            if generic is not None:  # `_from_auto` as AutoTokenizer passes it
+                return generic.from_pretrained(str(path), _from_auto=True, **kwargs)
+        from transformers import AutoTokenizer
+
+        if configs is not None:
+            light = _light_model_config(path, *configs)
+            if light is not None:
+                kwargs["config"] = light
         return AutoTokenizer.from_pretrained(
             str(path), trust_remote_code=trust_remote_code, **kwargs
         )
@@ -40,7 +59,37 @@ def get_tokenizer(name: str, trust_remote_code: bool = False, **kwargs: Any) -> 
         raise ValueError(f"could not load a tokenizer from {str(name)!r}: {e}") from e
 
 
-def _light_model_config(path: Path) -> Any:
+def _generic_tokenizer_class() -> Any:
+    """transformers 5's `TokenizersBackend`; None on transformers 4 (AutoTokenizer then)."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    return TokenizersBackend
+
+
+def _read_configs(path: Path) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """(tokenizer_config.json, config.json) of `path`, parsed; None if either is missing or
+    not JSON (AutoTokenizer then reads what there is)."""
+    try:
+        return json.loads((path / "tokenizer_config.json").read_text()), read_config_json(path)
+    except (OSError, ValueError):
+        return None
+
+
+def _loads_as_generic(path: Path, tok_config: dict[str, Any], raw: dict[str, Any]) -> bool:
+    """Whether AutoTokenizer would load this checkpoint's tokenizer as TokenizersBackend from
+    its tokenizer.json, unchanged (see _GENERIC_TOKENIZER_CLASSES)."""
+    return (
+        tok_config.get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES
+        and "auto_map" not in tok_config
+        and raw.get("model_type") in _GENERIC_TOKENIZER_MODEL_TYPES
+        and "auto_map" not in raw
+        and (path / "tokenizer.json").is_file()
+    )
+
+
+def _light_model_config(path: Path, tok_config: dict[str, Any], raw: dict[str, Any]) -> Any:
     """The checkpoint's config without transformers (a `CheckpointConfig`) when AutoTokenizer
     can be handed it, else None (AutoTokenizer then reads config.json through transformers'
     config classes, whose import costs ~1 s of CPU).
@@ -49,11 +98,6 @@ def _light_model_config(path: Path) -> Any:
     tokenizer_config.json names the tokenizer class and ships no code of its own; without a
     class name it looks the config's class up in its tables, which only the real one is in.
     """
-    try:
-        tok_config = json.loads((path / "tokenizer_config.json").read_text())
-        raw = read_config_json(path)
-    except (OSError, ValueError):
-        return None
     if not tok_config.get("tokenizer_class") or "auto_map" in tok_config:
         return None
     if not is_light_model_type(raw):
