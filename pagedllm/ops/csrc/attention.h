@@ -600,8 +600,8 @@ static void prefill_item(const DecodeAttnArgs<E>& a, const int64_t* qsl, int64_t
 //   unpack steps: each 128-bit lane then holds one column of four rows) and multiplied by
 //   the query's columns spread the same way; a 4 x 4 lane reduction per query head at the
 //   end of the chunk gives its 16 scores in one vector.
-// - softmax on 16 lanes; the weights rounded to bf16 (as the prefill tile kernel's,
-//   attention_tiles.h), the sum taken over the rounded weights.
+// - softmax on 16 lanes; the weights rounded to bf16 (softmax_row_bf16, as the prefill tile
+//   kernels' rows), the sum taken over the rounded weights.
 // - P V with vdpbf16ps on token pairs: two V rows interleaved by two unpacks (each 32-bit
 //   lane then holds one column of both rows) against the pair's two weights, half the
 //   multiply instructions of widening V to fp32. The unpacks permute the columns within
@@ -775,29 +775,28 @@ PAGEDLLM_BF16_TARGET static inline void decode_values_bf16(DecodeChunks chunks, 
                           _mm512_set1_ps(inv[g]));
 }
 
-// Softmax of each of G rows of L fp32 scores on 16 lanes: the numerators rounded to bf16 into
-// p ([G][L]), inv[g] = 1 / the sum of the rounded numerators.
-PAGEDLLM_BF16_TARGET static void softmax_rows_bf16(const float* scores, int64_t G, int64_t L,
-                                                   uint16_t* p, float* inv) {
-  for (int64_t g = 0; g < G; ++g) {
-    const float* sg = scores + g * L;
-    uint16_t* pg = p + g * L;
-    __m512 mv = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < L; t += 16) {
-      const __mmask16 k = static_cast<__mmask16>((1u << std::min<int64_t>(16, L - t)) - 1);
-      mv = _mm512_max_ps(mv, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, sg + t));
-    }
-    const __m512 mb = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
-    __m512 sv = _mm512_setzero_ps();
-    for (int64_t t = 0; t < L; t += 16) {
-      const __mmask16 k = static_cast<__mmask16>((1u << std::min<int64_t>(16, L - t)) - 1);
-      const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sg + t), mb)));
-      const __m256bh eb = _mm512_cvtneps_pbh(e);
-      _mm256_mask_storeu_epi16(pg + t, k, (__m256i)eb);
-      sv = _mm512_add_ps(sv, _mm512_cvtpbh_ps(eb));
-    }
-    inv[g] = 1.f / _mm512_reduce_add_ps(sv);
+// Softmax numerators of one row's n fp32 scores times `scale`, on 16 lanes, rounded to bf16
+// into p[0..n); returns 1 / the sum of the rounded numerators (n > 0). The rows of the decode
+// kernel below and of the prefill tile kernels (attention_tiles.h).
+PAGEDLLM_BF16_TARGET static inline float softmax_row_bf16(const float* s, int64_t n, float scale,
+                                                          uint16_t* p) {
+  const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+  __m512 mv = ninf;
+  for (int64_t k = 0; k < n; k += 16) {
+    const __mmask16 in = static_cast<__mmask16>((1u << std::min<int64_t>(16, n - k)) - 1);
+    mv = _mm512_max_ps(mv, _mm512_mask_mul_ps(ninf, in, _mm512_maskz_loadu_ps(in, s + k), sc));
   }
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t k = 0; k < n; k += 16) {
+    const __mmask16 in = static_cast<__mmask16>((1u << std::min<int64_t>(16, n - k)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(
+        in, exp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(in, s + k), sc), m)));
+    const __m256bh eb = _mm512_cvtneps_pbh(e);
+    _mm256_mask_storeu_epi16(p + k, in, (__m256i)eb);
+    sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(eb));
+  }
+  return 1.f / _mm512_reduce_add_ps(sum);
 }
 
 template <int C2>
@@ -838,7 +837,8 @@ PAGEDLLM_BF16_TARGET static void decode_item_bf16(const DecodeAttnArgs<Bf16>& a,
       j += k.n;
     }
   }
-  softmax_rows_bf16(scores, G, L, p16, inv);
+  for (int64_t g = 0; g < G; ++g)  // the scores are scaled already
+    inv[g] = softmax_row_bf16(scores + g * L, L, 1.f, p16 + g * L);
   uint16_t* out = a.out + (b * a.num_heads + kvh * G) * D;
   const DecodeChunks values(a, b, kvh, true);
   for (int64_t g0 = 0; g0 < G; g0 += kValueHeads) {

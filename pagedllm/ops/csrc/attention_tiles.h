@@ -27,6 +27,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
@@ -148,31 +149,12 @@ PAGEDLLM_BF16_TARGET static inline void prefill_tiles_softmax(const PrefillTiles
                                                               int64_t s0, int64_t nr,
                                                               int64_t spairs) {
   constexpr int64_t KB = 16;
-  const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
-  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t i = 0; i < 16; ++i) {
-    const float* si = t.s + i * t.Lp;
     uint16_t* pi = t.p + i * t.Lp;
     const int64_t seen = i < nr ? t.ctx + s0 + i + 1 : 0;
-    __m512 mv = ninf;
-    for (int64_t k = 0; k < seen; k += KB) {
-      const __mmask16 in = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(int(seen - k)), iota);
-      mv = _mm512_max_ps(mv, _mm512_mask_mul_ps(ninf, in, _mm512_loadu_ps(si + k), sc));
-    }
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
-    __m512 sum = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k < seen; k += KB) {
-      const __mmask16 in = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(int(seen - k)), iota);
-      const __m512 e = _mm512_maskz_mov_ps(
-          in, exp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(si + k), sc), m)));
-      const __m256bh eb = _mm512_cvtneps_pbh(e);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pi + k), (__m256i)eb);
-      sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(eb));
-    }
-    for (; k < 2 * spairs * KB; k += KB)  // keys the row does not see, to the last pair's end
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pi + k), _mm256_setzero_si256());
-    t.sums[i] = seen ? 1.f / _mm512_reduce_add_ps(sum) : 0.f;
+    t.sums[i] = seen ? softmax_row_bf16(t.s + i * t.Lp, seen, scale, pi) : 0.f;
+    // keys the row does not see, to the last pair's end
+    std::fill(pi + seen, pi + 2 * spairs * KB, uint16_t{0});
   }
 }
 
