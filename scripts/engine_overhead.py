@@ -1,6 +1,6 @@
 """Share of a decode step spent outside the model (the engine's own CPU work), by stage.
 
-Usage: python scripts/engine_overhead.py MODEL_DIR BATCH CONTEXT [TEMPERATURE TOP_P]
+Usage: python scripts/engine_overhead.py MODEL_DIR BATCH CONTEXT [TEMPERATURE TOP_P [QUANTIZATION]]
 
 Runs an in-process engine with BATCH requests of CONTEXT random prompt tokens, lets them
 reach steady decoding, then times `LLMEngine.step` and, inside it, each stage: scheduling,
@@ -37,7 +37,11 @@ def main() -> None:
     model_dir, batch, context = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     temperature = float(sys.argv[4]) if len(sys.argv) > 4 else 0.8
     top_p = float(sys.argv[5]) if len(sys.argv) > 5 else 0.95
-    llm = LLM(model=model_dir, kv_cache_memory=2 << 30, enable_prefix_caching=False)
+    quantization = sys.argv[6] if len(sys.argv) > 6 else None
+    llm = LLM(
+        model=model_dir, kv_cache_memory=2 << 30, enable_prefix_caching=False,
+        quantization=quantization,
+    )
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
     runner = core.executor.worker.model_runner

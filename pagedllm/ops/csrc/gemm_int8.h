@@ -149,7 +149,6 @@ PAGEDLLM_VNNI_TARGET static inline void micro_u8s8(const uint8_t* x, int64_t ldx
   for (int m = 0; m < MT; ++m) xr[m] = reinterpret_cast<const int32_t*>(x + m * ldx);
   for (int64_t kq = 0; kq < nkq; ++kq) {
     const int8_t* wk = w + kq * 4 * kPanel;
-    if (MT <= 4) _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * 4 * kPanel), _MM_HINT_T0);
     const __m512i w0 = _mm512_loadu_si512(wk), w1 = _mm512_loadu_si512(wk + 64);
     const __m512i w2 = _mm512_loadu_si512(wk + 128), w3 = _mm512_loadu_si512(wk + 192);
 #pragma GCC unroll 6
