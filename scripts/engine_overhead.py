@@ -39,7 +39,9 @@ def main() -> None:
     top_p = float(sys.argv[5]) if len(sys.argv) > 5 else 0.95
     quantization = sys.argv[6] if len(sys.argv) > 6 else None
     llm = LLM(
-        model=model_dir, kv_cache_memory=2 << 30, enable_prefix_caching=False,
+        model=model_dir,
+        kv_cache_memory=2 << 30,
+        enable_prefix_caching=False,
         quantization=quantization,
     )
     engine = llm.llm_engine
