@@ -3,8 +3,9 @@ the engine: 30 layers of random bf16 weights (each layer its own, so they stream
 in a real step), a paged bf16 KV cache holding BATCH sequences of CONTEXT tokens, and the step's
 new token per sequence. Times the fused decoder layer (`decoder_layer_decode`, what the engine
 runs) and the same work op by op, alternated; prints the medians and each op's mean share.
+`--int8`: the projections' weights int8 (W8A8, `quantization="int8"`'s kernels) instead of bf16.
 
-    python scripts/cpu_decode_step.py [BATCH] [CONTEXT] [--rounds 7]
+    python scripts/cpu_decode_step.py [BATCH] [CONTEXT] [--rounds 7] [--int8]
 """
 
 from __future__ import annotations
@@ -28,14 +29,26 @@ def main() -> None:
     parser.add_argument("batch", type=int, nargs="?", default=64)
     parser.add_argument("context", type=int, nargs="?", default=192)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--int8", action="store_true", help="int8 projection weights")
     args = parser.parse_args()
     if cpu_ops() is None:
         sys.exit("needs pagedllm's native kernels")
     ops = torch.ops.pagedllm
     B, L = args.batch, args.context
 
-    def panels(n: int, k: int) -> torch.Tensor:
-        return to_panels((torch.randn(n, k) * 0.05).bfloat16())
+    kind = 1 if args.int8 else 2  # decoder_layer_decode's projection kinds
+
+    def panels(n: int, k: int) -> tuple:
+        """(weight panels, scale, colsum): the projection's arguments after its kind."""
+        if not args.int8:
+            return to_panels((torch.randn(n, k) * 0.05).bfloat16()), None, None
+        q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        return to_panels(q), torch.rand(n) * 1e-3, q.sum(dim=1, dtype=torch.int32)
+
+    def linear(x: torch.Tensor, w: tuple, n: int) -> torch.Tensor:
+        if args.int8:
+            return ops.linear_int8(x, w[0], w[1], w[2], None, n, False)
+        return ops.linear(x, w[0], None, n, False)
 
     layers = [
         dict(
@@ -61,10 +74,10 @@ def main() -> None:
         x, res = x0.clone(), x0.clone()
         for w in layers:
             x = ops.decoder_layer_decode(
-                x, res, w["norm1"], 1e-5, 2, w["qkv"], None, None, None, Q + 2 * KV, Q, KV,
+                x, res, w["norm1"], 1e-5, kind, *w["qkv"], None, Q + 2 * KV, Q, KV,
                 positions, cos_sin, HEAD, HEAD, w["kv"], slots, blocks, seq_lens, L + 1,
-                HEAD**-0.5, 2, w["o"], None, None, None, HIDDEN, w["norm2"], 1e-5, 2,
-                w["gate_up"], None, None, None, 2 * INTER, 2, w["down"], None, None, None, HIDDEN,
+                HEAD**-0.5, kind, *w["o"], None, HIDDEN, w["norm2"], 1e-5, kind,
+                *w["gate_up"], None, 2 * INTER, kind, *w["down"], None, HIDDEN,
             )  # fmt: skip
 
     def by_op() -> None:
@@ -78,7 +91,7 @@ def main() -> None:
 
         for w in layers:
             h = timed("norms", ops.fused_add_rms_norm, x, res, w["norm1"], 1e-5)
-            qkv = timed("qkv", ops.linear, h, w["qkv"], None, Q + 2 * KV, False)
+            qkv = timed("qkv", linear, h, w["qkv"], Q + 2 * KV)
             q, k, v = qkv[:, :Q], qkv[:, Q : Q + KV], qkv[:, Q + KV :]
             timed("rope", ops.rotary_embedding, positions, q, k, cos_sin, HEAD, HEAD)
             kv_rows = (k.view(B, -1, HEAD), v.view(B, -1, HEAD), w["kv"], slots)
@@ -87,11 +100,11 @@ def main() -> None:
                 "attention", ops.paged_decode_attention,
                 q.reshape(B, -1, HEAD), w["kv"], blocks, seq_lens, L + 1, HEAD**-0.5,
             )  # fmt: skip
-            o = timed("o", ops.linear, a.view(B, Q), w["o"], None, HIDDEN, False)
+            o = timed("o", linear, a.view(B, Q), w["o"], HIDDEN)
             h = timed("norms", ops.fused_add_rms_norm, o, res, w["norm2"], 1e-5)
-            g = timed("gate_up", ops.linear, h, w["gate_up"], None, 2 * INTER, False)
+            g = timed("gate_up", linear, h, w["gate_up"], 2 * INTER)
             s = timed("silu", ops.silu_and_mul, g)
-            x = timed("down", ops.linear, s, w["down"], None, HIDDEN, False)
+            x = timed("down", linear, s, w["down"], HIDDEN)
 
     fused()
     by_op()
