@@ -115,6 +115,16 @@ static inline __attribute__((always_inline)) void int8_epilogue_t(
   }
 }
 
+// Panel p's weight scales and column sums (256 bytes each), fetched while its sums run: they
+// are the epilogue's only reads from memory, and a batch-1 product that waited on them at
+// every panel drew 9-13 GB/s of weights against 13-16 with them in cache.
+static inline void prefetch_int8_epilogue(const Int8GemmArgs& a, int64_t p) {
+  for (int64_t b = 0; b < kPanel * 4; b += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(a.w_scale + p * kPanel) + b, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(a.colsum + p * kPanel) + b, _MM_HINT_T0);
+  }
+}
+
 #define PAGEDLLM_INT8_ROWS(E)                                                                 \
   PAGEDLLM_CLONES static void quantize_row_u8(const E::T* x, int64_t K, int64_t K_pad,         \
                                               uint8_t* xq, float* scale, int32_t* zero) {      \

@@ -309,6 +309,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       });
     } else {
       for_gemm_items<int32_t>(M, n, [&](int64_t m0, int64_t m1, int64_t p, int32_t* c) {
+        prefetch_int8_epilogue(a, p);
         if (vnni)
           gemm_int8_sums_vnni(a, m0, m1, p, c);
         else
