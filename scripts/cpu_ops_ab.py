@@ -15,7 +15,8 @@ Prints per row count the medians, and the median of the per-round ratios (REV ti
 checkout's time: above 1, this checkout is faster). `--attention LOW HIGH` adds prefill
 attention (`paged_prefill_attention`) on 64 prompts of LOW-HIGH tokens; `--decode B LOW HIGH`
 decode attention (`paged_decode_attention`) of B requests of LOW-HIGH tokens, over 30 layers'
-caches (their K / V from memory, as in a step).
+caches (their K / V from memory, as in a step). `--int8` adds the same products on int8
+weights (`linear_int8`, W8A8, as `quantization="int8"` runs them).
 """
 
 from __future__ import annotations
@@ -135,6 +136,8 @@ def main() -> None:
                         help="also time prefill attention on 64 prompts of LOW-HIGH tokens")  # fmt: skip
     parser.add_argument("--decode", type=int, nargs=3, metavar=("B", "LOW", "HIGH"),
                         help="also time decode attention of B requests of LOW-HIGH tokens")  # fmt: skip
+    parser.add_argument("--int8", action="store_true",
+                        help="also time the products on int8 weights (linear_int8)")  # fmt: skip
     args = parser.parse_args()
     if cpu_ops() is None:
         sys.exit("needs pagedllm's native kernels")
@@ -162,6 +165,28 @@ def main() -> None:
         return run
 
     cases = {f"rows {m:5d}": products(m) for m in args.rows}
+    if args.int8:
+        int8_weights = []
+        for _ in range(LAYERS):
+            layer = []
+            for n, k in SHAPES:
+                q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+                layer.append((to_panels(q), torch.rand(n) * 1e-3, q.sum(dim=1, dtype=torch.int32)))
+            int8_weights.append(layer)
+
+        def int8_products(m: int):
+            inputs = {k: torch.randn(m, k).bfloat16() for _, k in SHAPES}
+
+            def run(ops) -> list[torch.Tensor]:
+                return [
+                    ops.linear_int8(inputs[k], q, scale, colsum, None, n, False)
+                    for layer in int8_weights
+                    for (n, k), (q, scale, colsum) in zip(SHAPES, layer)
+                ]
+
+            return run
+
+        cases.update({f"int8 rows {m:5d}": int8_products(m) for m in args.rows})
     if args.attention:
         low, high = args.attention
         cases[f"attention {low}-{high}"] = prefill_attention_case(low, high)
