@@ -76,7 +76,7 @@ def engine_figures(model: str) -> None:
 
     llm = LLM(model=model, seed=0, enable_prefix_caching=False)
     core = llm.llm_engine.engine_core.engine_core
-    while core.prefault_kv():  # the KV cache's pages faulted in first
+    while core.idle_work():  # the KV cache's pages faulted in first
         pass
     runner = core.executor.worker.model_runner
     spent = {"s": 0.0}

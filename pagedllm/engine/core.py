@@ -140,10 +140,14 @@ class EngineCore:
         """The dashboard's view of this engine now (engine/snapshot.py)."""
         return make_engine_snapshot(self.scheduler, self.step_times, self.block_map)
 
-    def prefault_kv(self) -> bool:
-        """Idle work: fault in the next piece of every rank's CPU KV cache
-        (worker/kv_prefault.py); whether any remain."""
-        return self.executor.prefault_kv()
+    def idle_work(self) -> bool:
+        """The next piece of every rank's idle work (the CPU weights' move onto huge pages,
+        the CPU KV cache's pages; ModelRunner.idle_work); whether any remains."""
+        return self.executor.idle_work()
+
+    def finish_weight_move(self) -> None:
+        """Every rank's CPU weights onto huge pages now (for an engine that is never idle)."""
+        self.executor.finish_weight_move()
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

@@ -152,6 +152,10 @@ class InprocClient(EngineCoreClient):
             engine_core_cls = EngineCore
         self.engine_core = engine_core_cls(config)
         self.num_blocks = self.engine_core.num_blocks
+        # No idle loop steps this engine: its weights go onto huge pages before it serves.
+        finish = getattr(self.engine_core, "finish_weight_move", None)
+        if finish is not None:
+            finish()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.engine_core.add_request(request)

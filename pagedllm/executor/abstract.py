@@ -79,10 +79,14 @@ class Executor(ABC):
         self, scheduler_output: SchedulerOutput, non_block: bool = False
     ) -> ModelRunnerOutput | Future[ModelRunnerOutput]: ...
 
-    def prefault_kv(self) -> bool:
-        """Idle work: fault in the next piece of the workers' CPU KV caches
-        (worker/kv_prefault.py); whether any remain."""
+    def idle_work(self) -> bool:
+        """The next piece of every worker's idle work (Worker.idle_work); whether any
+        remains."""
         return False
+
+    def finish_weight_move(self) -> None:
+        """Every worker's CPU weights onto huge pages now (Worker.finish_weight_move)."""
+        return None
 
     def shutdown(self) -> None:
         return None
@@ -125,8 +129,11 @@ class DistributedExecutor(Executor):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.collective_rpc("initialize_kv_cache", (num_blocks,))
 
-    def prefault_kv(self) -> bool:
-        return any(self.collective_rpc("prefault_kv"))
+    def idle_work(self) -> bool:
+        return any(self.collective_rpc("idle_work"))
+
+    def finish_weight_move(self) -> None:
+        self.collective_rpc("finish_weight_move")
 
     def execute_model(
         self, scheduler_output: SchedulerOutput, non_block: bool = False

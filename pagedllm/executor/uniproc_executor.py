@@ -32,8 +32,11 @@ class UniProcExecutor(Executor):
         future.set_result(output)
         return future
 
-    def prefault_kv(self) -> bool:
-        return self.worker.prefault_kv()
+    def idle_work(self) -> bool:
+        return self.worker.idle_work()
+
+    def finish_weight_move(self) -> None:
+        self.worker.finish_weight_move()
 
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -9,8 +9,9 @@ SmolLM2 projections of a batch-1 step streamed at 19.5 GB/s from 4 KB pages and 
 2 MB pages (1.18x; 1.07x at 64 rows; BENCHMARKS.md, Zen 4). The move costs start-up time on
 a virtual machine whose host backs guest memory lazily: the first touch of 2 MB pages the
 guest has never used is slow (270 MB populated in 0.6 s the first time, 0.03 s the next; on
-4 KB pages 0.1 s both times), 0.3-0.8 s of `LLM(...)` on a fresh VM and little after;
-`PAGEDLLM_WEIGHT_HUGE_PAGES=0` keeps the weights where PyTorch put them.
+4 KB pages 0.1 s both times): 0.3-0.8 s that `LLM(...)` waited for on a fresh VM, now done
+while the engine is idle (`HugePageMove`); `PAGEDLLM_WEIGHT_HUGE_PAGES=0` keeps the weights
+where PyTorch put them.
 """
 
 from __future__ import annotations
@@ -43,34 +44,67 @@ def anonymous_bytes(nbytes: int, align: int = 4096) -> torch.Tensor:
     return buf[start : start + nbytes]
 
 
-def place_panels_on_huge_pages(model: nn.Module) -> int:
-    """Move every packed weight (`weight_panels` buffers, layers/cpu_gemm.py) of `model` on the
-    CPU into one mapping on huge pages, each at a 4 KB boundary, in module order (the order a
-    forward streams them). The old copies are freed and their heap pages given back to the OS
-    (malloc_trim), so the weights are not held twice. Returns the bytes moved."""
-    # buffer id -> (the buffer, the modules holding it): a buffer shared by modules moves once
-    panels: dict[int, tuple[torch.Tensor, list[nn.Module]]] = {}
-    for module in model.modules():
-        buf = module._buffers.get("weight_panels")
-        if isinstance(buf, torch.Tensor) and buf.device.type == "cpu":
-            panels.setdefault(id(buf), (buf, []))[1].append(module)
-    if not panels:
-        return 0
+class HugePageMove:
+    """Moves every packed weight (`weight_panels` buffers, layers/cpu_gemm.py) of `model` on
+    the CPU into one mapping on huge pages, each at a 4 KB boundary, in module order (the order
+    a forward streams them), a piece of work per `step`: first the mapping's 2 MB pages are
+    faulted in, one a step (the slow part on a VM whose host backs memory lazily), then the
+    buffers are copied over, one a step. A buffer keeps its tensor object (`set_`), so every
+    holder (its modules, a fused layer's plan) reads the new copy; a buffer shared by modules
+    moves once. After the last one the old copies' heap pages go back to the OS (malloc_trim),
+    so the weights are not held twice. The engine core process runs the steps while it waits
+    for requests (worker `idle_work`), so `LLM(...)` does not wait for them; in between, the
+    model runs on the weights where they are, with the same results."""
 
-    def span(t: torch.Tensor) -> int:  # each buffer at a 4 KB boundary
-        return (t.nbytes + 4095) // 4096 * 4096
+    def __init__(self, model: nn.Module) -> None:
+        seen: set[int] = set()
+        self._buffers: list[torch.Tensor] = []
+        for module in model.modules():
+            buf = module._buffers.get("weight_panels")
+            if isinstance(buf, torch.Tensor) and buf.device.type == "cpu" and id(buf) not in seen:
+                seen.add(id(buf))
+                self._buffers.append(buf)
+        self._offsets: list[int] = []
+        self.nbytes = 0
+        for buf in self._buffers:
+            self._offsets.append(self.nbytes)
+            self.nbytes += (buf.nbytes + 4095) // 4096 * 4096
+        self._arena = anonymous_bytes(self.nbytes, align=HUGE_PAGE) if self._buffers else None
+        self._faulted = 0  # bytes of the arena faulted in
+        self._moved = 0  # buffers copied over
 
-    arena = anonymous_bytes(sum(span(buf) for buf, _ in panels.values()), align=HUGE_PAGE)
-    offset = 0
-    for buf, modules in panels.values():
-        moved = arena[offset : offset + buf.nbytes].view(buf.dtype).view(buf.shape)
+    def step(self) -> bool:
+        """One piece of the move; whether any remain."""
+        if self._arena is None:
+            return False
+        if self._faulted < self.nbytes:
+            self._arena[self._faulted : self._faulted + HUGE_PAGE].zero_()
+            self._faulted += HUGE_PAGE
+            return True
+        i = self._moved
+        buf, offset = self._buffers[i], self._offsets[i]
+        moved = self._arena[offset : offset + buf.nbytes].view(buf.dtype).view(buf.shape)
         moved.copy_(buf)
-        for module in modules:
-            module._buffers["weight_panels"] = moved
-        offset += span(buf)
-    del panels, buf  # the old copies, freed before the heap is trimmed
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: the freed copies stay with the allocator
-        pass
-    return offset
+        with torch.no_grad():
+            buf.set_(moved)
+        self._moved += 1
+        if self._moved < len(self._buffers):
+            return True
+        self._buffers.clear()
+        self._arena = None  # the buffers keep the mapping alive
+        try:
+            ctypes.CDLL(None).malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc: the freed copies stay with the allocator
+            pass
+        return False
+
+    def finish(self) -> int:
+        """Run the remaining steps; returns the bytes of the mapping."""
+        while self.step():
+            pass
+        return self.nbytes
+
+
+def place_panels_on_huge_pages(model: nn.Module) -> int:
+    """`HugePageMove(model)` done at once; returns the bytes moved (0: nothing packed)."""
+    return HugePageMove(model).finish()

@@ -108,6 +108,7 @@ def get_model(config: EngineConfig) -> nn.Module:
         model_config.dtype,
         device,
         f"checkpoint {model_config.model!r}",
+        huge_pages=False,  # the model runner moves them while the engine is idle
     )
     logger.info(
         "loaded %s (%s%s, %.1fM parameters) on %s",
@@ -120,19 +121,28 @@ def get_model(config: EngineConfig) -> nn.Module:
     return model
 
 
+def weight_huge_pages(device: torch.device) -> bool:
+    """Whether packed weights on `device` move onto huge pages (the CPU, unless
+    `PAGEDLLM_WEIGHT_HUGE_PAGES=0`)."""
+    return device.type == "cpu" and env_flag("PAGEDLLM_WEIGHT_HUGE_PAGES", True)
+
+
 def load_module(
     build: Callable[[], nn.Module],
     model_dir: str,
     dtype: torch.dtype,
     device: torch.device,
     source: str,
+    huge_pages: bool = True,
 ) -> nn.Module:
     """Build a module in `dtype` on `device` (parameters allocated in place), stream the
     checkpoint in `model_dir` into its `load_weights` (which returns the names of the
     parameters it filled), check that none is missing (ValueError naming `source`), run the
     layers' `process_weights_after_loading` hooks; returns it in eval mode, with
     `num_checkpoint_parameters` set to its parameter count before those hooks ran (they may
-    repack weights into other shapes; this rank's shard only, with tensor parallelism)."""
+    repack weights into other shapes; this rank's shard only, with tensor parallelism).
+    `huge_pages`: on the CPU, move the packed weights onto huge pages before returning
+    (layers/cpu_memory.py; `PAGEDLLM_WEIGHT_HUGE_PAGES=0` never)."""
     with default_dtype(dtype), device:
         module = build()
     with torch.no_grad():
@@ -150,6 +160,6 @@ def load_module(
         hook = getattr(sub, "process_weights_after_loading", None)
         if hook is not None:
             hook()
-    if device.type == "cpu" and env_flag("PAGEDLLM_WEIGHT_HUGE_PAGES", True):
+    if huge_pages and weight_huge_pages(device):
         place_panels_on_huge_pages(module)
     return module.eval()

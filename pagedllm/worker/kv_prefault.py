@@ -9,8 +9,9 @@ engine pays that on every token until its blocks have all been used once. vLLM z
 whole cache at start-up instead (minutes there, with the rest of its start-up).
 
 `KVPrefaulter` does that work when it costs nothing: the engine core calls `step` (through
-`Worker.prefault_kv`) while it waits for requests, one 2 MB piece of one cache tensor a call,
-so a request that arrives waits for at most one piece. It walks the blocks in the order the
+`Worker.idle_work`, once the weights' move onto huge pages is done) while it waits for
+requests, one 2 MB piece of one cache tensor a call, so a request that arrives waits for at
+most one piece. It walks the blocks in the order the
 block pool hands them out (lowest ids first; every layer's K and V of a block range before the
 next range), so the first requests find their blocks ready. The pages are populated with
 madvise(MADV_POPULATE_WRITE): faulted in writable without being written, so a block already

@@ -45,7 +45,8 @@ from pagedllm.distributed.kv_transfer.base import (
 from pagedllm.distributed.kv_transfer.factory import KVConnectorFactory
 from pagedllm.distributed.kv_transfer.kv_blocks import kv_block_dim
 from pagedllm.layers.batch_invariant import make_batch_invariant_, reseed_for_token
-from pagedllm.models.loader import get_model
+from pagedllm.layers.cpu_memory import HugePageMove
+from pagedllm.models.loader import get_model, weight_huge_pages
 from pagedllm.models.pipeline import IntermediateTensors
 from pagedllm.outputs import BeamCandidates, LogprobsLists, ModelRunnerOutput
 from pagedllm.sample.beam import beam_candidates
@@ -133,6 +134,7 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.kv_prefaulter: KVPrefaulter | None = None  # CPU caches' pages, while idle
+        self.weight_move: HugePageMove | None = None  # CPU weights onto huge pages, while idle
         self.cuda_graphs: CUDAGraphRunner | None = None  # captured mode (capture_model)
         self.pp_group = get_pp_group()
         self.is_driver = self.pp_group.is_last_rank and get_tp_group().is_first_rank
@@ -154,6 +156,8 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self.model = get_model(self.config)
+        if weight_huge_pages(self.device):
+            self.weight_move = HugePageMove(self.model)
         compile_model(self.model, self.config.compilation_config)
         if self.config.batch_invariant:
             make_batch_invariant_(self.model)
@@ -197,10 +201,21 @@ class ModelRunner:
             for layer in layers:
                 layer.kv_connector = self.kv_connector
 
-    def prefault_kv(self) -> bool:
-        """Populate the next piece of the CPU KV cache's pages (worker/kv_prefault.py);
-        whether any remain."""
+    def idle_work(self) -> bool:
+        """One piece of what an idle engine does; whether any remains: first the move of the
+        packed CPU weights onto huge pages (layers/cpu_memory.py; every step after it streams
+        them faster), then the CPU KV cache's pages (worker/kv_prefault.py)."""
+        if self.weight_move is not None:
+            if self.weight_move.step():
+                return True
+            self.weight_move = None
         return self.kv_prefaulter is not None and self.kv_prefaulter.step()
+
+    def finish_weight_move(self) -> None:
+        """Finish the weights' move onto huge pages now (an engine without idle time)."""
+        if self.weight_move is not None:
+            self.weight_move.finish()
+            self.weight_move = None
 
     def shutdown(self) -> None:
         if self.kv_connector is not None:

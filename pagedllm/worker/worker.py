@@ -132,10 +132,13 @@ class Worker:
         self.model_runner.initialize_kv_cache(num_blocks)
         self.model_runner.capture_model()
 
-    def prefault_kv(self) -> bool:
-        """While the engine is idle: fault in the next piece of the CPU KV cache; whether
-        any remain (worker/kv_prefault.py)."""
-        return self.model_runner.prefault_kv()
+    def idle_work(self) -> bool:
+        """While the engine is idle: the next piece of the weights' move onto huge pages or
+        of the CPU KV cache's faulting in; whether any remains (ModelRunner.idle_work)."""
+        return self.model_runner.idle_work()
+
+    def finish_weight_move(self) -> None:
+        self.model_runner.finish_weight_move()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """The step's output on the rank that samples (the first tensor-parallel rank of the

@@ -9,7 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from pagedllm.layers.cpu_memory import HUGE_PAGE, anonymous_bytes, place_panels_on_huge_pages
+from pagedllm.layers.cpu_memory import (
+    HUGE_PAGE,
+    HugePageMove,
+    anonymous_bytes,
+    place_panels_on_huge_pages,
+)
 
 
 def _vm_flags(address: int) -> list[str]:
@@ -64,10 +69,79 @@ def test_place_panels_moves_every_panel_once_into_one_mapping():
     assert place_panels_on_huge_pages(nn.Linear(2, 2)) == 0  # nothing packed: nothing moved
 
 
+def test_the_move_goes_a_piece_a_step_and_holders_see_the_moved_copy():
+    """Faulting in the mapping's 2 MB pages, then one buffer a step; a buffer keeps its tensor
+    object, so what held it before (a fused layer's argument tuple) reads the new copy, with
+    the same values at every step."""
+    g = torch.Generator().manual_seed(1)
+    big = torch.randn(40, 288, 64, 2, generator=g).bfloat16()  # 2.8 MB (a multiple of 4 KB): two huge pages
+    small = torch.randint(-128, 128, (2, 4, 64, 4), generator=g, dtype=torch.int8)
+    model = nn.Sequential(_Layer(big.clone()), _Layer(small.clone()))
+    held = (model[0].weight_panels, model[1].weight_panels)  # captured before the move
+    old_ptrs = [t.data_ptr() for t in held]
+    move = HugePageMove(model)
+    assert move.nbytes == big.nbytes + 4096  # each buffer from a 4 KB boundary
+    steps = 0
+    while move.step():
+        steps += 1
+        assert torch.equal(held[0], big) and torch.equal(held[1], small)
+    assert steps == 2 + 2 - 1  # two pages faulted in, two buffers copied (the last returns False)
+    assert not move.step()  # done: nothing left
+    assert all(m.weight_panels is h for m, h in zip(model, held))
+    assert torch.equal(held[0], big) and torch.equal(held[1], small)
+    new_ptrs = [t.data_ptr() for t in held]
+    assert new_ptrs[0] % HUGE_PAGE == 0 and new_ptrs[1] - new_ptrs[0] == move.nbytes - 4096
+    assert held[0].untyped_storage().data_ptr() == held[1].untyped_storage().data_ptr()
+    assert not set(old_ptrs) & set(new_ptrs)
+
+
+def test_an_engine_core_moves_its_weights_while_idle_with_the_same_outputs(tiny_llama_dir):
+    """The engine core process's idle work moves the packed weights onto huge pages (its
+    start does not wait for it); greedy tokens before and after the move are the same."""
+    from pagedllm.engine import EngineCoreRequest
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.engine.core import EngineCore
+    from pagedllm.sampling_params import SamplingParams
+
+    core = EngineCore(
+        EngineArgs(
+            model=tiny_llama_dir, dtype="bfloat16", kv_cache_memory=1 << 26
+        ).create_engine_config()
+    )
+    runner = core.executor.worker.model_runner
+    panels = [m.weight_panels for m in runner.model.modules() if "weight_panels" in m._buffers]
+    if not panels:
+        pytest.skip("this CPU keeps no weight in panels")
+    assert runner.weight_move is not None  # pending: the load did not wait for it
+
+    def greedy(request_id: str) -> list[int]:
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        request = EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=[5, 9, 2, 7],
+            sampling_params=params,
+            arrival_time=0.0,
+        )
+        core.add_request(request)
+        tokens: list[int] = []
+        while core.scheduler.has_unfinished_requests():
+            for out in core.step().outputs:
+                tokens += out.new_token_ids
+        return tokens
+
+    before = greedy("before")
+    while runner.weight_move is not None:
+        assert core.idle_work()
+    assert len({p.untyped_storage().data_ptr() for p in panels}) == 1  # views of one arena
+    assert greedy("after") == before
+    core.shutdown()
+
+
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="no /proc/self/smaps")
 def test_a_loaded_models_panels_share_one_huge_page_mapping(tiny_llama_dir, monkeypatch):
-    """The loader moves the packed weights (where this CPU packs them) into one mapping that
-    asks for huge pages, and the engine serves from them."""
+    """An in-process engine (no idle loop) has its packed weights (where this CPU packs
+    them) moved into one mapping that asks for huge pages before it serves, and serves from
+    them."""
     from pagedllm import LLM, SamplingParams
 
     monkeypatch.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")
