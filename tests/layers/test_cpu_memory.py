@@ -74,7 +74,9 @@ def test_the_move_goes_a_piece_a_step_and_holders_see_the_moved_copy():
     object, so what held it before (a fused layer's argument tuple) reads the new copy, with
     the same values at every step."""
     g = torch.Generator().manual_seed(1)
-    big = torch.randn(40, 288, 64, 2, generator=g).bfloat16()  # 2.8 MB (a multiple of 4 KB): two huge pages
+    big = torch.randn(
+        40, 288, 64, 2, generator=g
+    ).bfloat16()  # 2.8 MB (a multiple of 4 KB): two huge pages
     small = torch.randint(-128, 128, (2, 4, 64, 4), generator=g, dtype=torch.int8)
     model = nn.Sequential(_Layer(big.clone()), _Layer(small.clone()))
     held = (model[0].weight_panels, model[1].weight_panels)  # captured before the move
