@@ -255,14 +255,15 @@ class EngineCoreProc:
             # does not wake a blocked wait.
             wait = _POLL_INTERVAL_S
             if self._idle_work is not None:
-                ready_at = self._idle_since + _IDLE_WORK_DELAY_S
-                wait = min(wait, max(0.0, ready_at - time.monotonic()))
-                if wait == 0.0 and self.input_queue.empty():
+                until_idle_work = self._idle_since + _IDLE_WORK_DELAY_S - time.monotonic()
+                if until_idle_work <= 0 and self.input_queue.empty():
                     if not self._idle_work():
                         self._idle_work = None
                     continue
+                if until_idle_work > 0:
+                    wait = min(wait, until_idle_work)
             try:
-                self._handle_client_request(*self.input_queue.get(timeout=wait or _POLL_INTERVAL_S))
+                self._handle_client_request(*self.input_queue.get(timeout=wait))
                 break
             except queue.Empty:
                 continue

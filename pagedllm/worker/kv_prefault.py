@@ -11,13 +11,12 @@ whole cache at start-up instead (minutes there, with the rest of its start-up).
 `KVPrefaulter` does that work when it costs nothing: the engine core calls `step` (through
 `Worker.idle_work`, once the weights' move onto huge pages is done) while it waits for
 requests, one 2 MB piece of one cache tensor a call, so a request that arrives waits for at
-most one piece. It walks the blocks in the order the
-block pool hands them out (lowest ids first; every layer's K and V of a block range before the
-next range), so the first requests find their blocks ready. The pages are populated with
-madvise(MADV_POPULATE_WRITE): faulted in writable without being written, so a block already
-in use keeps its contents. Without that call (Linux < 5.14, other OSes) there is nothing to
-do. An idle engine thus commits its whole KV cache over time, as vLLM's does at start-up;
-`PAGEDLLM_KV_PREFAULT=0` turns it off.
+most one piece. It walks the blocks in the order the block pool hands them out (lowest ids
+first; every layer's K and V of a block range before the next range), so the first requests
+find their blocks ready. The pages are populated with madvise(MADV_POPULATE_WRITE): faulted
+in writable without being written, so a block already in use keeps its contents. Without that
+call (Linux < 5.14, other OSes) there is nothing to do. An idle engine thus commits its whole
+KV cache over time, as vLLM's does at start-up; `PAGEDLLM_KV_PREFAULT=0` turns it off.
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@
 namespace pagedllm {
 
 constexpr int64_t kPanel = 64;      // output channels per panel
-// How far ahead (bytes) the one-row kernels prefetch their panel stream (see gemm_f32.h).
+// How far ahead (bytes) the AVX2 one-row kernels prefetch their panel stream (gemm_f32.h,
+// gemm_int8.h; the AVX-512 ones leave the stream to the hardware prefetchers, see micro).
 constexpr int64_t kStreamPrefetch = 2048;
 constexpr int64_t kRowTile = 6;     // rows per micro-kernel call: 6 x 4 accumulators
 constexpr int64_t kRowBlock = 96;   // rows per work item
