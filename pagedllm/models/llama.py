@@ -22,7 +22,7 @@ from torch import nn
 from pagedllm.attention.layer import Attention
 from pagedllm.config import EngineConfig
 from pagedllm.layers.activation import SiluAndMul
-from pagedllm.layers.cpu_fused import FusedLayer, layer_plan
+from pagedllm.layers.cpu_fused import FusedLayer, FusedStack, layer_plan, stack_plan
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import (
     MergedColumnParallelLinear,
@@ -189,6 +189,13 @@ class LlamaDecoderLayer(nn.Module):
         # then a FusedLayer, or False where they do not apply.
         self._fused: FusedLayer | bool | None = None
 
+    def fused_plan(self) -> FusedLayer | None:
+        """The layer's fused CPU ops plan, decided at the first call (a forward's, when the
+        weights are packed); None where they do not apply."""
+        if self._fused is None:
+            self._fused = layer_plan(self) or False
+        return self._fused or None
+
     def forward(
         self,
         positions: torch.Tensor,  # [T]
@@ -197,9 +204,7 @@ class LlamaDecoderLayer(nn.Module):
         attn_metadata: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not torch.compiler.is_compiling():  # (Inductor fuses the traced modules instead)
-            fused = self._fused
-            if fused is None:  # decided at the first forward, when the weights are packed
-                fused = self._fused = layer_plan(self) or False
+            fused = self.fused_plan()
             if fused and hidden_states.dtype == fused.dtype and hidden_states.dim() == 2:
                 return fused.forward(self, positions, hidden_states, residual, attn_metadata)
         if residual is None:
@@ -255,6 +260,9 @@ class LlamaModel(nn.Module):
             if self.stage.is_last
             else PPMissingLayer()
         )
+        # The stage's layers in one native call on decode-only CPU steps (layers/cpu_fused.py):
+        # None until the first forward, then a FusedStack, or False where it does not apply.
+        self._fused_stack: FusedStack | bool | None = None
 
     def forward(
         self,
@@ -269,8 +277,20 @@ class LlamaModel(nn.Module):
             hidden_states = intermediate_tensors["hidden_states"]
             residual = intermediate_tensors["residual"]
         # islice: a ModuleList slice builds a new ModuleList (a module registration a layer).
-        for layer in itertools.islice(self.layers, self.stage.start, self.stage.end):
-            hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+        layers = itertools.islice(self.layers, self.stage.start, self.stage.end)
+        stacked = None
+        if not torch.compiler.is_compiling():
+            stack = self._fused_stack
+            if stack is None:  # decided at the first forward, when the weights are packed
+                stack = self._fused_stack = stack_plan(list(layers)) or False
+                layers = itertools.islice(self.layers, self.stage.start, self.stage.end)
+            if stack:
+                stacked = stack.forward(positions, hidden_states, residual, attn_metadata)
+        if stacked is not None:
+            hidden_states, residual = stacked
+        else:
+            for layer in layers:
+                hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
         if not self.stage.is_last:
             return IntermediateTensors(hidden_states=hidden_states, residual=residual)
         hidden_states, _ = self.norm(hidden_states, residual)

@@ -1,6 +1,7 @@
 """The fused decoder-layer ops (`layers/cpu_fused.py`) against the layers' own modules, every
 other native kernel on in both runs: the same tokens and bit for bit the same logprobs, over
-prefills, chunked prefills mixed with decodes, prefix-cache hits and decode-only steps."""
+prefills, chunked prefills mixed with decodes, prefix-cache hits and decode-only steps (all
+layers in one call there, `FusedStack`)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,9 @@ def _run(model_dir, monkeypatch, **kw):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     plans = [layer._fused for layer in _layers(llm)]
+    plans.append(
+        llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.model.model._fused_stack
+    )
     llm.shutdown()
     results = [
         (
@@ -81,10 +85,22 @@ def test_fused_layers_change_no_output(arch, dtype, quantization, tiny_model_dir
         return d
 
     monkeypatch.setattr(CpuAttentionBackend, "decode_only", counted)
+    stacked = {"steps": 0}
+    stack_forward = cpu_fused.FusedStack.forward
+
+    def counted_stack(self, *args):
+        out = stack_forward(self, *args)
+        stacked["steps"] += out is not None
+        return out
+
+    monkeypatch.setattr(cpu_fused.FusedStack, "forward", counted_stack)
     kw = dict(dtype=dtype, quantization=quantization)
     fused, plans = _run(tiny_model_dirs[arch], monkeypatch, **kw)
-    assert plans and all(isinstance(p, cpu_fused.FusedLayer) for p in plans)
-    assert seen["decode-only"] > 0 and seen["other"] > 0
+    *layer_plans, stack = plans
+    assert layer_plans and all(isinstance(p, cpu_fused.FusedLayer) for p in layer_plans)
+    assert isinstance(stack, cpu_fused.FusedStack)
+    # Decode-only steps ran the whole stack in one call; the others went layer by layer.
+    assert stacked["steps"] > 0 and seen["decode-only"] >= stacked["steps"] and seen["other"] > 0
     import pagedllm.models.llama as llama
 
     monkeypatch.setattr(llama, "layer_plan", lambda layer: None)

@@ -197,6 +197,32 @@ def test_linear_silu_mul_is_silu_and_mul_of_linear(m, n, k):
         ops.linear_silu_mul(x, to_panels(torch.randn(96, k).to(BF16)), None, 96)
 
 
+@pytest.mark.skipif(
+    ops is None or not (ops.cpu_has_avx512_bf16() and ops.cpu_has_avx512_vnni()),
+    reason="no AVX512-BF16 + VNNI on this CPU",
+)
+@pytest.mark.parametrize("m", [1, 2, 7, 97])
+@pytest.mark.parametrize("n,k", [(128, 64), (3072, 576), (256, 770)])
+def test_linear_int8_silu_mul_is_silu_and_mul_of_linear_int8(m, n, k, amx_allowed):
+    """int8 gate / up weights with SiLU x mul in the epilogue: the bits of the two ops (one
+    row, row tiles and leftovers, K not a multiple of 4, several items a thread), with and
+    without a bias, from strided rows too; a batch that the AMX tiles take is not fused."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = (torch.randn(m, k + 8, generator=g) * 3).to(BF16)[:, :k]
+    q, scale = quantize_rows(torch.randn(n, k, generator=g))
+    panels = to_panels(q)
+    colsum = F.pad(q.sum(dim=1, dtype=torch.int32), (0, panels.shape[0] * 64 - n))
+    if not ops.int8_silu_fusable(x, n):
+        assert amx_allowed and ops.cpu_has_amx()
+        return
+    for bias in (None, torch.randn(n, generator=g).to(BF16)):
+        ref = ops.silu_and_mul(ops.linear_int8(x, panels, scale, colsum, bias, n, False))
+        assert torch.equal(ops.linear_int8_silu_mul(x, panels, scale, colsum, bias, n), ref)
+    assert not ops.int8_silu_fusable(x, 96) and not ops.int8_silu_fusable(x.float(), n)
+    with pytest.raises(RuntimeError, match="n = 2 x a multiple of 64"):
+        ops.linear_int8_silu_mul(x, panels, scale, colsum, None, 96)
+
+
 @needs_avx2
 def test_linear_int8_reads_strided_rows():
     x = torch.randn(5, 96).to(BF16)[:, :64]  # rows 96 apart

@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <atomic>
@@ -284,14 +285,16 @@ at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& w, const c10::opti
 
 bool cpu_has_avx512_vnni() { return __builtin_cpu_supports("avx512vnni"); }
 
-// y = W8A8(x, w): rows of x (bf16 or fp32) quantized to uint8 on the fly (gemm_int8.h), on
-// the AVX512-VNNI kernel or else the AVX2 one; the result in fp32 (out_fp32) or x's dtype.
-at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
+// An int8 product's inputs: x's rows (bf16 or fp32) quantized to uint8 (gemm_int8.h), on
+// ATen's threads, and the kernel's arguments for n outputs into out (checked first).
+struct Int8Inputs {
+  at::Tensor xq, x_scale, x_zero;
+  Int8GemmArgs a;
+};
+
+Int8Inputs int8_inputs(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
                        const at::Tensor& colsum, const c10::optional<at::Tensor>& bias, int64_t n,
-                       bool out_fp32, at::Tensor* into = nullptr) {
-  const bool vnni = cpu_has_avx512_vnni();
-  TORCH_CHECK(vnni || cpu_has_avx2_fma(), "pagedllm::linear_int8 needs AVX512-VNNI or AVX2 + FMA");
-  check_any_rows(x, "x");
+                       const at::Tensor& out, bool out_fp32) {
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(w.scalar_type() == at::kChar && w.is_contiguous() && w.dim() == 4 &&
                   w.size(0) * kPanel >= n && w.size(1) * 4 >= K && w.size(1) * 4 < K + 4 &&
@@ -304,22 +307,40 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     check_like(*bias, x, "bias");
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == n, "bias: [N]");
   }
-  at::Tensor out = output_rows(into, M, n, out_fp32 ? x.options().dtype(at::kFloat) : x.options());
-  if (M == 0) return out;
   const int64_t Kq = w.size(1), K_pad = 4 * Kq;
-  at::Tensor xq = at::empty({M, K_pad}, x.options().dtype(at::kByte));
-  at::Tensor x_scale = at::empty({M}, x.options().dtype(at::kFloat));
-  at::Tensor x_zero = at::empty({M}, x.options().dtype(at::kInt));
-  Int8GemmArgs a{xq.data_ptr<uint8_t>(), x_scale.data_ptr<float>(), x_zero.data_ptr<int32_t>(),
-                 M, Kq, K_pad, w.data_ptr<int8_t>(), w_scale.data_ptr<float>(),
-                 colsum.data_ptr<int32_t>(), bias ? bias->data_ptr() : nullptr, n,
-                 out.data_ptr(), out_fp32, out.stride(0)};
+  Int8Inputs in;
+  in.xq = at::empty({M, K_pad}, x.options().dtype(at::kByte));
+  in.x_scale = at::empty({M}, x.options().dtype(at::kFloat));
+  in.x_zero = at::empty({M}, x.options().dtype(at::kInt));
+  in.a = Int8GemmArgs{in.xq.data_ptr<uint8_t>(), in.x_scale.data_ptr<float>(),
+                      in.x_zero.data_ptr<int32_t>(), M, Kq, K_pad, w.data_ptr<int8_t>(),
+                      w_scale.data_ptr<float>(), colsum.data_ptr<int32_t>(),
+                      bias ? bias->data_ptr() : nullptr, n, out.data_ptr(), out_fp32, out.stride(0)};
   by_dtype(x, "x", [&]<class E>() {
     at::parallel_for(0, M, row_grain(K), [&](int64_t b, int64_t e) {
       for (int64_t m = b; m < e; ++m)
-        quantize_row_u8(data<E>(x) + m * x.stride(0), K, K_pad, xq.data_ptr<uint8_t>() + m * K_pad,
-                        x_scale.data_ptr<float>() + m, x_zero.data_ptr<int32_t>() + m);
+        quantize_row_u8(data<E>(x) + m * x.stride(0), K, K_pad, in.xq.data_ptr<uint8_t>() + m * K_pad,
+                        in.x_scale.data_ptr<float>() + m, in.x_zero.data_ptr<int32_t>() + m);
     });
+  });
+  return in;
+}
+
+// y = W8A8(x, w): rows of x (bf16 or fp32) quantized to uint8 on the fly (gemm_int8.h), on
+// the AVX512-VNNI kernel or else the AVX2 one; the result in fp32 (out_fp32) or x's dtype.
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
+                       const at::Tensor& colsum, const c10::optional<at::Tensor>& bias, int64_t n,
+                       bool out_fp32, at::Tensor* into = nullptr) {
+  const bool vnni = cpu_has_avx512_vnni();
+  TORCH_CHECK(vnni || cpu_has_avx2_fma(), "pagedllm::linear_int8 needs AVX512-VNNI or AVX2 + FMA");
+  check_any_rows(x, "x");
+  const int64_t M = x.size(0);
+  at::Tensor out = output_rows(into, M, n, out_fp32 ? x.options().dtype(at::kFloat) : x.options());
+  if (M == 0) return out;
+  const Int8Inputs in = int8_inputs(x, w, w_scale, colsum, bias, n, out, out_fp32);
+  const Int8GemmArgs& a = in.a;
+  const int64_t K_pad = a.ldx;
+  by_dtype(x, "x", [&]<class E>() {
     if (use_amx(M)) {
       for_amx_items<int32_t>(M, n, K_pad, [&](int64_t m0, int64_t m1, int64_t p, int32_t* c, int64_t next_p) {
         gemm_int8_sums_amx(a, m0, m1, p, c, next_p, [&](int64_t r0, int64_t r1, const int32_t* cr) {
@@ -336,6 +357,30 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
         int8_epilogue(a, E{}, m0, m1, p, c);
       });
     }
+  });
+  return out;
+}
+
+// Whether linear_int8_silu_mul takes this gate / up product: bf16 rows on the VNNI kernel
+// without AMX tiles (AMX products of many rows keep the two ops), n = 2 x a multiple of 64.
+bool int8_silu_fusable(const at::Tensor& x, int64_t n) {
+  return x.scalar_type() == at::kBFloat16 && cpu_has_avx512_vnni() && cpu_has_avx512_bf16() &&
+         n % (2 * kPanel) == 0 && !use_amx(x.size(0));
+}
+
+// silu_and_mul(linear_int8(x, w, ...)) in one pass (gemm_silu.h): the same bits as the two
+// ops, the [M, n / 2] result in bf16 (int8_silu_fusable's inputs only).
+at::Tensor linear_int8_silu_mul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
+                                const at::Tensor& colsum, const c10::optional<at::Tensor>& bias,
+                                int64_t n) {
+  check_any_rows(x, "x");
+  TORCH_CHECK(int8_silu_fusable(x, n), "linear_int8_silu_mul: bf16 rows on AVX512-VNNI + BF16, n = 2 x a multiple of 64");
+  const int64_t M = x.size(0), K_pad = w.size(1) * 4;
+  at::Tensor out = at::empty({M, n / 2}, x.options());
+  if (M == 0) return out;
+  const Int8Inputs in = int8_inputs(x, w, w_scale, colsum, bias, n, out, false);
+  for_panel_items<int32_t>(M, n / 2, 2 * K_pad * kPanel, [&](int64_t m0, int64_t m1, int64_t p, int32_t* c) {
+    gemm_int8_silu_item(in.a, m0, m1, p, c);
   });
   return out;
 }
@@ -682,11 +727,16 @@ at::Tensor attention_out_mlp(
   at::Tensor o = project(attn.contiguous(), o_kind, o_w, o_scale, o_colsum, o_bias, o_n);
   at::Tensor h = rms_norm_impl(o, &residual, norm_weight, eps);
   // bf16 panels (I a multiple of 64): SiLU x mul inside the gate / up product.
+  // int8 panels with bf16 rows: the same inside the int8 product (int8_silu_fusable).
   const bool fused_silu = gu_kind == 2 && gu_n % (2 * kPanel) == 0;
   auto mlp = [&](const at::Tensor& rows, at::Tensor* into) {
-    at::Tensor act = fused_silu
-                         ? linear_silu_mul(rows, gu_w, gu_bias, gu_n)
-                         : silu_and_mul(project(rows, gu_kind, gu_w, gu_scale, gu_colsum, gu_bias, gu_n));
+    at::Tensor act;
+    if (fused_silu)
+      act = linear_silu_mul(rows, gu_w, gu_bias, gu_n);
+    else if (gu_kind == 1 && gu_scale && gu_colsum && int8_silu_fusable(rows, gu_n))
+      act = linear_int8_silu_mul(rows, gu_w, *gu_scale, *gu_colsum, gu_bias, gu_n);
+    else
+      act = silu_and_mul(project(rows, gu_kind, gu_w, gu_scale, gu_colsum, gu_bias, gu_n));
     return project(act, down_kind, down_w, down_scale, down_colsum, down_bias, down_n, into);
   };
   // A prefill's MLP in row chunks: its [T, 2 * I] intermediate and the widened activations
@@ -742,9 +792,87 @@ at::Tensor decoder_layer_decode(
 }
 
 }  // namespace
+
+// A pipeline stage's decoder layers for decode-only steps in one call (layers/cpu_fused.py's
+// FusedStack): each layer's decoder_layer_decode arguments but the step's are bound once, and
+// `decode` runs the layers in order, as the per-layer calls would (the same kernels, so the
+// same bits). What it saves is a dispatcher entry a layer, each parsing ~40 arguments from
+// Python: ~50 us a layer on SmolLM2's batch-1 step, ~1.5 ms of a 9-13 ms step.
+struct DecodeStack : torch::CustomClassHolder {
+  struct Projection {
+    int64_t kind, n;
+    at::Tensor w;
+    c10::optional<at::Tensor> scale, colsum, bias;
+  };
+  struct Layer {
+    at::Tensor norm_w, norm2_w, cos_sin_cache;
+    double eps, eps2, scale;
+    int64_t q_size, kv_size, head_size, rot;
+    Projection qkv, o, gate_up, down;
+  };
+  std::vector<Layer> layers;
+
+  // tensors: per projection (qkv, o, gate_up, down) its weight, scale, colsum and bias, then
+  // the two norms' weights and the RoPE table; ints: the projections' kinds and widths
+  // (kind, n each), then q_size, kv_size, head_size, rot; floats: eps, eps2, scale.
+  void add_layer(const c10::List<c10::optional<at::Tensor>>& tensors, const c10::List<int64_t>& ints,
+                 const c10::List<double>& floats) {
+    TORCH_CHECK(tensors.size() == 19 && ints.size() == 12 && floats.size() == 3,
+                "DecodeStack.add_layer: 19 tensors, 12 ints, 3 floats");
+    auto need = [&](size_t i) {
+      const c10::optional<at::Tensor> t = tensors.get(i);
+      TORCH_CHECK(t.has_value(), "DecodeStack.add_layer: tensor ", i, " is required");
+      return *t;
+    };
+    Layer l;
+    Projection* ps[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
+    for (int j = 0; j < 4; ++j)
+      *ps[j] = Projection{ints.get(2 * j), ints.get(2 * j + 1), need(4 * j), tensors.get(4 * j + 1),
+                          tensors.get(4 * j + 2), tensors.get(4 * j + 3)};
+    l.norm_w = need(16);
+    l.norm2_w = need(17);
+    l.cos_sin_cache = need(18);
+    l.q_size = ints.get(8), l.kv_size = ints.get(9), l.head_size = ints.get(10), l.rot = ints.get(11);
+    l.eps = floats.get(0), l.eps2 = floats.get(1), l.scale = floats.get(2);
+    layers.push_back(std::move(l));
+  }
+
+  int64_t size() const { return static_cast<int64_t>(layers.size()); }
+
+  // (hidden, residual) after every layer, from the stage's input hidden rows x (updated in
+  // place as the residual stream when residual is None, as the first layer's call does).
+  std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                            const at::Tensor& positions, const at::TensorList kv_caches,
+                                            const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                                            const at::Tensor& seq_lens, int64_t max_seq_len) {
+    TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == size(), "DecodeStack.decode: a KV cache a layer");
+    at::Tensor h = x;
+    c10::optional<at::Tensor> r = residual;
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const Layer& l = layers[i];
+      at::Tensor cache = kv_caches[i];
+      at::Tensor out = decoder_layer_decode(
+          h, r, l.norm_w, l.eps, l.qkv.kind, l.qkv.w, l.qkv.scale, l.qkv.colsum, l.qkv.bias, l.qkv.n,
+          l.q_size, l.kv_size, positions, l.cos_sin_cache, l.head_size, l.rot, cache, slot_mapping,
+          block_table, seq_lens, max_seq_len, l.scale, l.o.kind, l.o.w, l.o.scale, l.o.colsum,
+          l.o.bias, l.o.n, l.norm2_w, l.eps2, l.gate_up.kind, l.gate_up.w, l.gate_up.scale,
+          l.gate_up.colsum, l.gate_up.bias, l.gate_up.n, l.down.kind, l.down.w, l.down.scale,
+          l.down.colsum, l.down.bias, l.down.n);
+      if (!r) r = h;
+      h = out;
+    }
+    return {h, r ? *r : h};
+  }
+};
+
 }  // namespace pagedllm
 
 TORCH_LIBRARY(pagedllm, m) {
+  m.class_<pagedllm::DecodeStack>("DecodeStack")
+      .def(torch::init<>())
+      .def("add_layer", &pagedllm::DecodeStack::add_layer)
+      .def("size", &pagedllm::DecodeStack::size)
+      .def("decode", &pagedllm::DecodeStack::decode);
   m.def("cpu_has_avx512_bf16() -> bool", &pagedllm::cpu_has_avx512_bf16);
   m.def("cpu_has_avx512_vnni() -> bool", &pagedllm::cpu_has_avx512_vnni);
   m.def("cpu_has_avx2_fma() -> bool", &pagedllm::cpu_has_avx2_fma);
@@ -761,6 +889,9 @@ TORCH_LIBRARY(pagedllm, m) {
            int64_t n, bool out_fp32) { return pagedllm::linear(x, w, bias, n, out_fp32); });
   m.def("linear_int8(Tensor x, Tensor w, Tensor w_scale, Tensor colsum, Tensor? bias, int n, "
         "bool out_fp32) -> Tensor");
+  m.def("linear_int8_silu_mul(Tensor x, Tensor w, Tensor w_scale, Tensor colsum, Tensor? bias, "
+        "int n) -> Tensor", &pagedllm::linear_int8_silu_mul);
+  m.def("int8_silu_fusable(Tensor x, int n) -> bool", &pagedllm::int8_silu_fusable);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &pagedllm::rms_norm);
   m.def("fused_add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor",
         &pagedllm::fused_add_rms_norm);
