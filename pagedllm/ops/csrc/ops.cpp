@@ -10,6 +10,8 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -39,6 +41,28 @@ void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16, name, " must be bfloat16");
   check_any_rows(t, name);
 }
+
+// Scratch a kernel keeps on its thread from one call to the next instead of allocating it
+// each time (a batch-1 decode layer made ~40 such temporaries): at least n elements of T,
+// 64-byte aligned, not zeroed; Tag keeps apart buffers that are alive at the same time.
+// nullptr past kThreadScratchBytes (a long prefill's), which the caller allocates itself.
+constexpr int64_t kThreadScratchBytes = 1 << 20;
+template <class T, int Tag>
+T* thread_scratch(int64_t n) {
+  if (n * static_cast<int64_t>(sizeof(T)) > kThreadScratchBytes) return nullptr;
+  thread_local std::unique_ptr<T, decltype(&std::free)> buf{nullptr, &std::free};
+  thread_local int64_t size = 0;
+  if (size < n) {
+    size = (std::max<int64_t>(n, 2 * size) * sizeof(T) + 63) / 64 * 64 / sizeof(T);
+    buf.reset(static_cast<T*>(std::aligned_alloc(64, size * sizeof(T))));
+    TORCH_CHECK(buf, "out of memory for ", size * sizeof(T), " bytes of scratch");
+  }
+  return buf.get();
+}
+
+// Tags of thread_scratch's buffers.
+enum ScratchTag { kGemmAccScratch, kInt8XqScratch, kInt8ScaleScratch, kInt8ZeroScratch,
+                  kDecodeAttnScratch, kNormScratch };
 
 // The panel GEMMs' work on ATen's threads: item(m0, m1, p, c) for every (row block, panel)
 // pair of an M x N product, row block major; c: a row block's accumulators (Acc, kPanel a
@@ -79,8 +103,7 @@ void for_gemm_items(int64_t M, int64_t N, Item&& item, Done&& done = [] {}, int6
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     // Cache-line aligned: the AMX kernels store whole 64-byte tile rows into it (unaligned,
     // each row store splits over two lines: 5-9% of a 448 x 3,072 x 576 product).
-    std::vector<Acc> c(block * kPanel + 64 / sizeof(Acc));
-    Acc* cp = reinterpret_cast<Acc*>((reinterpret_cast<uintptr_t>(c.data()) + 63) & ~uintptr_t{63});
+    Acc* cp = thread_scratch<Acc, kGemmAccScratch>(block * kPanel);
     for (int64_t i0 = next.fetch_add(run, std::memory_order_relaxed); i0 < total;) {
       const int64_t end = std::min(total, i0 + run);
       int64_t following = total;  // the first item of the thread's next run
@@ -288,7 +311,7 @@ bool cpu_has_avx512_vnni() { return __builtin_cpu_supports("avx512vnni"); }
 // An int8 product's inputs: x's rows (bf16 or fp32) quantized to uint8 (gemm_int8.h), on
 // ATen's threads, and the kernel's arguments for n outputs into out (checked first).
 struct Int8Inputs {
-  at::Tensor xq, x_scale, x_zero;
+  at::Tensor owned[3];  // xq, x_scale, x_zero where thread_scratch does not take them
   Int8GemmArgs a;
 };
 
@@ -309,18 +332,20 @@ Int8Inputs int8_inputs(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   }
   const int64_t Kq = w.size(1), K_pad = 4 * Kq;
   Int8Inputs in;
-  in.xq = at::empty({M, K_pad}, x.options().dtype(at::kByte));
-  in.x_scale = at::empty({M}, x.options().dtype(at::kFloat));
-  in.x_zero = at::empty({M}, x.options().dtype(at::kInt));
-  in.a = Int8GemmArgs{in.xq.data_ptr<uint8_t>(), in.x_scale.data_ptr<float>(),
-                      in.x_zero.data_ptr<int32_t>(), M, Kq, K_pad, w.data_ptr<int8_t>(),
+  uint8_t* xq = thread_scratch<uint8_t, kInt8XqScratch>(M * K_pad);
+  float* x_scale = thread_scratch<float, kInt8ScaleScratch>(M);
+  int32_t* x_zero = thread_scratch<int32_t, kInt8ZeroScratch>(M);
+  if (!xq) xq = (in.owned[0] = at::empty({M, K_pad}, x.options().dtype(at::kByte))).data_ptr<uint8_t>();
+  if (!x_scale) x_scale = (in.owned[1] = at::empty({M}, x.options().dtype(at::kFloat))).data_ptr<float>();
+  if (!x_zero) x_zero = (in.owned[2] = at::empty({M}, x.options().dtype(at::kInt))).data_ptr<int32_t>();
+  in.a = Int8GemmArgs{xq, x_scale, x_zero, M, Kq, K_pad, w.data_ptr<int8_t>(),
                       w_scale.data_ptr<float>(), colsum.data_ptr<int32_t>(),
                       bias ? bias->data_ptr() : nullptr, n, out.data_ptr(), out_fp32, out.stride(0)};
   by_dtype(x, "x", [&]<class E>() {
     at::parallel_for(0, M, row_grain(K), [&](int64_t b, int64_t e) {
       for (int64_t m = b; m < e; ++m)
-        quantize_row_u8(data<E>(x) + m * x.stride(0), K, K_pad, in.xq.data_ptr<uint8_t>() + m * K_pad,
-                        in.x_scale.data_ptr<float>() + m, in.x_zero.data_ptr<int32_t>() + m);
+        quantize_row_u8(data<E>(x) + m * x.stride(0), K, K_pad, xq + m * K_pad, x_scale + m,
+                        x_zero + m);
     });
   });
   return in;
@@ -404,11 +429,13 @@ at::Tensor rms_norm_impl(const at::Tensor& x, at::Tensor* residual, const at::Te
     if constexpr (std::is_same_v<E, Bf16>)
       if (cpu_has_avx512_bf16()) row = rms_norm_row_bf16;
     at::parallel_for(0, T, row_grain(n), [&](int64_t b, int64_t e) {
-      std::vector<float> tmp(n);
+      std::vector<float> big;
+      float* tmp = thread_scratch<float, kNormScratch>(n);
+      if (!tmp) tmp = (big.resize(n), big.data());
       for (int64_t t = b; t < e; ++t)
         row(data<E>(out) + t * n, data<E>(x) + t * x.stride(0),
             residual ? data<E>(*residual) + t * residual->stride(0) : nullptr, data<E>(weight),
-            n, static_cast<float>(eps), tmp.data());
+            n, static_cast<float>(eps), tmp);
     });
   });
   return out;
@@ -558,9 +585,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
                         block_table.data_ptr<int32_t>(), block_table.stride(0),
                         seq_lens.data_ptr<int32_t>(), static_cast<float>(scale)};
     at::parallel_for(0, B * Hkv, 1, [&](int64_t b, int64_t e) {
-      std::vector<float> buf(scratch);
+      std::vector<float> big;
+      float* buf = thread_scratch<float, kDecodeAttnScratch>(scratch);
+      if (!buf) buf = (big.resize(scratch), big.data());
       for (int64_t i = b; i < e; ++i)
-        decode_item(a, i / Hkv, i % Hkv, buf.data(), i + 1 < e ? (i + 1) / Hkv : -1, (i + 1) % Hkv);
+        decode_item(a, i / Hkv, i % Hkv, buf, i + 1 < e ? (i + 1) / Hkv : -1, (i + 1) % Hkv);
     });
   });
   return out;
