@@ -103,7 +103,12 @@ void for_gemm_items(int64_t M, int64_t N, Item&& item, Done&& done = [] {}, int6
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     // Cache-line aligned: the AMX kernels store whole 64-byte tile rows into it (unaligned,
     // each row store splits over two lines: 5-9% of a 448 x 3,072 x 576 product).
+    std::vector<Acc> big;  // a block too large for thread_scratch (AMX blocks of many rows)
     Acc* cp = thread_scratch<Acc, kGemmAccScratch>(block * kPanel);
+    if (!cp) {
+      big.resize(block * kPanel + 64 / sizeof(Acc));
+      cp = reinterpret_cast<Acc*>((reinterpret_cast<uintptr_t>(big.data()) + 63) & ~uintptr_t{63});
+    }
     for (int64_t i0 = next.fetch_add(run, std::memory_order_relaxed); i0 < total;) {
       const int64_t end = std::min(total, i0 + run);
       int64_t following = total;  // the first item of the thread's next run
