@@ -277,19 +277,20 @@ class LlamaModel(nn.Module):
             hidden_states = intermediate_tensors["hidden_states"]
             residual = intermediate_tensors["residual"]
         # islice: a ModuleList slice builds a new ModuleList (a module registration a layer).
-        layers = itertools.islice(self.layers, self.stage.start, self.stage.end)
+        stage_layers = itertools.islice(self.layers, self.stage.start, self.stage.end)
         stacked = None
         if not torch.compiler.is_compiling():
-            stack = self._fused_stack
-            if stack is None:  # decided at the first forward, when the weights are packed
-                stack = self._fused_stack = stack_plan(list(layers)) or False
-                layers = itertools.islice(self.layers, self.stage.start, self.stage.end)
-            if stack:
-                stacked = stack.forward(positions, hidden_states, residual, attn_metadata)
+            if self._fused_stack is None:  # decided at the first forward (weights packed)
+                stage_layers = list(stage_layers)
+                self._fused_stack = stack_plan(stage_layers) or False
+            if self._fused_stack:
+                stacked = self._fused_stack.forward(
+                    positions, hidden_states, residual, attn_metadata
+                )
         if stacked is not None:
             hidden_states, residual = stacked
         else:
-            for layer in layers:
+            for layer in stage_layers:
                 hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
         if not self.stage.is_last:
             return IntermediateTensors(hidden_states=hidden_states, residual=residual)
