@@ -24,9 +24,9 @@ PROMPTS = [
 ]
 
 
-def _layers(llm):
-    runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
-    return list(runner.model.model.layers)
+def _model(llm):
+    """The engine's LlamaModel (embedding, layers, norm)."""
+    return llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.model.model
 
 
 def _run(model_dir, monkeypatch, **kw):
@@ -43,10 +43,8 @@ def _run(model_dir, monkeypatch, **kw):
     )
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    plans = [layer._fused for layer in _layers(llm)]
-    plans.append(
-        llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.model.model._fused_stack
-    )
+    model = _model(llm)
+    plans = [layer._fused for layer in model.layers] + [model._fused_stack]
     llm.shutdown()
     results = [
         (

@@ -44,23 +44,43 @@ void check_rows(const at::Tensor& t, const char* name) {
 
 // Scratch a kernel keeps on its thread from one call to the next instead of allocating it
 // each time (a batch-1 decode layer made ~40 such temporaries): at least n elements of T,
-// 64-byte aligned, not zeroed; Tag keeps apart buffers that are alive at the same time.
-// nullptr past kThreadScratchBytes (a long prefill's), which the caller allocates itself.
+// 64-byte aligned, not zeroed; Tag keeps apart buffers that are alive at the same time. Past
+// kThreadScratchBytes (a long prefill's) the buffer is the object's own, freed with it.
 constexpr int64_t kThreadScratchBytes = 1 << 20;
-template <class T, int Tag>
-T* thread_scratch(int64_t n) {
-  if (n * static_cast<int64_t>(sizeof(T)) > kThreadScratchBytes) return nullptr;
-  thread_local std::unique_ptr<T, decltype(&std::free)> buf{nullptr, &std::free};
-  thread_local int64_t size = 0;
-  if (size < n) {
-    size = (std::max<int64_t>(n, 2 * size) * sizeof(T) + 63) / 64 * 64 / sizeof(T);
-    buf.reset(static_cast<T*>(std::aligned_alloc(64, size * sizeof(T))));
-    TORCH_CHECK(buf, "out of memory for ", size * sizeof(T), " bytes of scratch");
-  }
-  return buf.get();
+using FreeDeleter = decltype(&std::free);
+
+template <class T>
+T* aligned_elements(int64_t n) {
+  T* p = static_cast<T*>(std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64));
+  TORCH_CHECK(p, "out of memory for ", n * sizeof(T), " bytes of scratch");
+  return p;
 }
 
-// Tags of thread_scratch's buffers.
+template <class T, int Tag>
+class ThreadScratch {
+ public:
+  explicit ThreadScratch(int64_t n) {
+    if (n * static_cast<int64_t>(sizeof(T)) > kThreadScratchBytes) {
+      own_.reset(aligned_elements<T>(n));
+      p_ = own_.get();
+      return;
+    }
+    thread_local std::unique_ptr<T, FreeDeleter> buf{nullptr, &std::free};
+    thread_local int64_t size = 0;
+    if (size < n) {
+      size = std::max<int64_t>(n, 2 * size);
+      buf.reset(aligned_elements<T>(size));
+    }
+    p_ = buf.get();
+  }
+  T* get() const { return p_; }
+
+ private:
+  std::unique_ptr<T, FreeDeleter> own_{nullptr, &std::free};
+  T* p_ = nullptr;
+};
+
+// Tags of ThreadScratch's buffers.
 enum ScratchTag { kGemmAccScratch, kInt8XqScratch, kInt8ScaleScratch, kInt8ZeroScratch,
                   kDecodeAttnScratch, kNormScratch };
 
@@ -103,12 +123,8 @@ void for_gemm_items(int64_t M, int64_t N, Item&& item, Done&& done = [] {}, int6
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     // Cache-line aligned: the AMX kernels store whole 64-byte tile rows into it (unaligned,
     // each row store splits over two lines: 5-9% of a 448 x 3,072 x 576 product).
-    std::vector<Acc> big;  // a block too large for thread_scratch (AMX blocks of many rows)
-    Acc* cp = thread_scratch<Acc, kGemmAccScratch>(block * kPanel);
-    if (!cp) {
-      big.resize(block * kPanel + 64 / sizeof(Acc));
-      cp = reinterpret_cast<Acc*>((reinterpret_cast<uintptr_t>(big.data()) + 63) & ~uintptr_t{63});
-    }
+    const ThreadScratch<Acc, kGemmAccScratch> c(block * kPanel);
+    Acc* cp = c.get();
     for (int64_t i0 = next.fetch_add(run, std::memory_order_relaxed); i0 < total;) {
       const int64_t end = std::min(total, i0 + run);
       int64_t following = total;  // the first item of the thread's next run
@@ -316,7 +332,9 @@ bool cpu_has_avx512_vnni() { return __builtin_cpu_supports("avx512vnni"); }
 // An int8 product's inputs: x's rows (bf16 or fp32) quantized to uint8 (gemm_int8.h), on
 // ATen's threads, and the kernel's arguments for n outputs into out (checked first).
 struct Int8Inputs {
-  at::Tensor owned[3];  // xq, x_scale, x_zero where thread_scratch does not take them
+  ThreadScratch<uint8_t, kInt8XqScratch> xq;
+  ThreadScratch<float, kInt8ScaleScratch> x_scale;
+  ThreadScratch<int32_t, kInt8ZeroScratch> x_zero;
   Int8GemmArgs a;
 };
 
@@ -336,13 +354,12 @@ Int8Inputs int8_inputs(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == n, "bias: [N]");
   }
   const int64_t Kq = w.size(1), K_pad = 4 * Kq;
-  Int8Inputs in;
-  uint8_t* xq = thread_scratch<uint8_t, kInt8XqScratch>(M * K_pad);
-  float* x_scale = thread_scratch<float, kInt8ScaleScratch>(M);
-  int32_t* x_zero = thread_scratch<int32_t, kInt8ZeroScratch>(M);
-  if (!xq) xq = (in.owned[0] = at::empty({M, K_pad}, x.options().dtype(at::kByte))).data_ptr<uint8_t>();
-  if (!x_scale) x_scale = (in.owned[1] = at::empty({M}, x.options().dtype(at::kFloat))).data_ptr<float>();
-  if (!x_zero) x_zero = (in.owned[2] = at::empty({M}, x.options().dtype(at::kInt))).data_ptr<int32_t>();
+  Int8Inputs in{ThreadScratch<uint8_t, kInt8XqScratch>(M * K_pad),
+                ThreadScratch<float, kInt8ScaleScratch>(M), ThreadScratch<int32_t, kInt8ZeroScratch>(M),
+                {}};
+  uint8_t* xq = in.xq.get();
+  float* x_scale = in.x_scale.get();
+  int32_t* x_zero = in.x_zero.get();
   in.a = Int8GemmArgs{xq, x_scale, x_zero, M, Kq, K_pad, w.data_ptr<int8_t>(),
                       w_scale.data_ptr<float>(), colsum.data_ptr<int32_t>(),
                       bias ? bias->data_ptr() : nullptr, n, out.data_ptr(), out_fp32, out.stride(0)};
@@ -434,9 +451,8 @@ at::Tensor rms_norm_impl(const at::Tensor& x, at::Tensor* residual, const at::Te
     if constexpr (std::is_same_v<E, Bf16>)
       if (cpu_has_avx512_bf16()) row = rms_norm_row_bf16;
     at::parallel_for(0, T, row_grain(n), [&](int64_t b, int64_t e) {
-      std::vector<float> big;
-      float* tmp = thread_scratch<float, kNormScratch>(n);
-      if (!tmp) tmp = (big.resize(n), big.data());
+      const ThreadScratch<float, kNormScratch> scratch(n);
+      float* tmp = scratch.get();
       for (int64_t t = b; t < e; ++t)
         row(data<E>(out) + t * n, data<E>(x) + t * x.stride(0),
             residual ? data<E>(*residual) + t * residual->stride(0) : nullptr, data<E>(weight),
@@ -590,9 +606,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
                         block_table.data_ptr<int32_t>(), block_table.stride(0),
                         seq_lens.data_ptr<int32_t>(), static_cast<float>(scale)};
     at::parallel_for(0, B * Hkv, 1, [&](int64_t b, int64_t e) {
-      std::vector<float> big;
-      float* buf = thread_scratch<float, kDecodeAttnScratch>(scratch);
-      if (!buf) buf = (big.resize(scratch), big.data());
+      const ThreadScratch<float, kDecodeAttnScratch> own(scratch);
+      float* buf = own.get();
       for (int64_t i = b; i < e; ++i)
         decode_item(a, i / Hkv, i % Hkv, buf, i + 1 < e ? (i + 1) / Hkv : -1, (i + 1) % Hkv);
     });
@@ -871,15 +886,13 @@ struct DecodeStack : torch::CustomClassHolder {
     layers.push_back(std::move(l));
   }
 
-  int64_t size() const { return static_cast<int64_t>(layers.size()); }
-
   // (hidden, residual) after every layer, from the stage's input hidden rows x (updated in
   // place as the residual stream when residual is None, as the first layer's call does).
   std::tuple<at::Tensor, at::Tensor> decode(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                             const at::Tensor& positions, const at::TensorList kv_caches,
                                             const at::Tensor& slot_mapping, const at::Tensor& block_table,
                                             const at::Tensor& seq_lens, int64_t max_seq_len) {
-    TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == size(), "DecodeStack.decode: a KV cache a layer");
+    TORCH_CHECK(kv_caches.size() == layers.size(), "DecodeStack.decode: a KV cache a layer");
     at::Tensor h = x;
     c10::optional<at::Tensor> r = residual;
     for (size_t i = 0; i < layers.size(); ++i) {
@@ -905,7 +918,6 @@ TORCH_LIBRARY(pagedllm, m) {
   m.class_<pagedllm::DecodeStack>("DecodeStack")
       .def(torch::init<>())
       .def("add_layer", &pagedllm::DecodeStack::add_layer)
-      .def("size", &pagedllm::DecodeStack::size)
       .def("decode", &pagedllm::DecodeStack::decode);
   m.def("cpu_has_avx512_bf16() -> bool", &pagedllm::cpu_has_avx512_bf16);
   m.def("cpu_has_avx512_vnni() -> bool", &pagedllm::cpu_has_avx512_vnni);
