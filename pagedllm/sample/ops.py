@@ -252,9 +252,15 @@ def _chunk_values(x: torch.Tensor, chunk: torch.Tensor, fill: float) -> tuple[to
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """`logits [B, V]` -> the first index of each row's maximum [B] int64 (greedy sampling).
-    Two levels: chunk maxima, then the argmax inside the first chunk holding the row's
-    maximum; about 5x cheaper than `Tensor.argmax` on the CPU at a 32k vocabulary."""
+    """`logits [B, V]` -> the first index of each row's maximum [B] int64 (greedy sampling),
+    a NaN counting above every number (as `Tensor.argmax`). fp32 CPU rows on an AVX-512 or
+    AVX2 CPU: the native `argmax_rows`, one pass a row (ops/csrc/sampling.h; at a 49k
+    vocabulary ~5x cheaper than the two levels below, which in an engine step took 0.2 ms).
+    Otherwise two levels: chunk maxima, then the argmax inside the first chunk holding the
+    row's maximum; about 5x cheaper than `Tensor.argmax` on the CPU at a 32k vocabulary."""
+    native = row_ops(logits) if logits.dtype == torch.float32 and logits.shape[1] else None
+    if native is not None and logits.stride(1) == 1 and native.cpu_has_avx2_fma():
+        return native.argmax_rows(logits)
     if logits.shape[1] < 2 * _CHUNK:
         return logits.argmax(dim=-1)
     best = _chunk_reduce(logits, "amax").argmax(dim=-1, keepdim=True)  # [B, 1]

@@ -151,3 +151,26 @@ def test_truncation_and_batch_invariance_keep_the_pytorch_draw(monkeypatch):
     monkeypatch.undo()
     assert ops.native_sampling(logits.bfloat16()) is None
     assert ops.native_sampling(logits[:, :511].contiguous()) is None
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 16, 500, 49152, 49157])
+def test_native_argmax_is_torch_argmax(vocab):
+    """`argmax_rows` (and `ops.argmax`, which takes it for fp32 rows): the first index of the
+    maximum, ties to the first, a NaN above every number, -inf rows to 0, any row length."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(12, vocab, generator=g)
+    logits[1] = NEG_INF  # no finite logit
+    logits[2] = (logits[2] * 4).round()  # ties
+    logits[3, vocab // 2] = float("nan")
+    logits[4, -1] = float("nan")  # a NaN in the tail after the maximum
+    logits[4, 0] = 100.0
+    logits[5, -1] = 1e9  # the maximum in the tail
+    logits[6] = 0.0
+    logits[6, vocab // 3 :] = -0.0  # zeros of both signs tie
+    logits[7, : min(3, vocab)] = float("inf")
+    expected = logits.argmax(dim=-1)
+    assert torch.equal(native.argmax_rows(logits), expected)
+    assert torch.equal(ops.argmax(logits), expected)
+    # rows with a stride (a slice of a wider tensor), as an LM head's padded logits
+    wide = torch.randn(12, vocab + 5, generator=g)
+    assert torch.equal(ops.argmax(wide[:, :vocab]), wide[:, :vocab].argmax(dim=-1))

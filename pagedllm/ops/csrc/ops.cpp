@@ -546,6 +546,27 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, 
   return out;
 }
 
+// The first index of each row's maximum of logits [B, V] (fp32, contiguous rows), a NaN above
+// every number: torch.argmax(logits, -1) in one pass a row (sampling.h), for greedy rows.
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  const bool avx512 = cpu_has_avx512();
+  TORCH_CHECK(avx512 || cpu_has_avx2_fma(), "pagedllm::argmax_rows needs AVX-512 or AVX2 + FMA");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1,
+              "logits: float32 [B, V] with contiguous rows");
+  const int64_t B = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V > 0, "logits: an empty row has no argmax");
+  at::Tensor out = at::empty({B}, logits.options().dtype(at::kLong));
+  const float* x = logits.data_ptr<float>();
+  int64_t* tok = out.data_ptr<int64_t>();
+  at::parallel_for(0, B, row_grain(V), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float* row = x + r * logits.stride(0);
+      tok[r] = avx512 ? SampleAvx512::argmax(row, V) : SampleAvx2::argmax(row, V);
+    }
+  });
+  return out;
+}
+
 // kv_cache[0][slot_mapping[t]] = key[t], kv_cache[1][slot_mapping[t]] = value[t] for the
 // first n = slot_mapping.numel() rows: the step's K/V rows copied into their cache slots, one
 // memcpy per row (what two index_copy_ calls do at ~10 ns an element). Rows may be strided (the
@@ -943,6 +964,7 @@ TORCH_LIBRARY(pagedllm, m) {
         &pagedllm::fused_add_rms_norm);
   m.def("silu_and_mul(Tensor x) -> Tensor", &pagedllm::silu_and_mul);
   m.def("sample_rows(Tensor logits, Tensor temperature, Tensor u) -> Tensor", &pagedllm::sample_rows);
+  m.def("argmax_rows(Tensor logits) -> Tensor", &pagedllm::argmax_rows);
   m.def("rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos_sin_cache, "
         "int head_size, int rot) -> ()", &pagedllm::rotary_embedding);
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()",

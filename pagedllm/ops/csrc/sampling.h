@@ -26,11 +26,39 @@ namespace pagedllm {
 constexpr int64_t kSampleChunk = 256;  // sample/ops.py's _CHUNK
 constexpr float kSampleExpFloor = -87.3f;
 
-// Per ISA (V = 16 lanes AVX-512, 8 lanes AVX2): a row's maximum, each chunk's weight sum, and
-// one chunk's weights.
+// Per ISA (V = 16 lanes AVX-512, 8 lanes AVX2): a greedy row's argmax, a row's maximum, each
+// chunk's weight sum, and one chunk's weights.
 #define PAGEDLLM_SAMPLE_OPS(NAME, TARGET, VEC, W, SET1, LOAD, MAXF, SUBF, MULF, ADDF, EXPF,       \
-                            ZERO_BELOW, TAIL_LOAD, REDUCE_MAX, REDUCE_ADD, STORE)                \
+                            ZERO_BELOW, TAIL_LOAD, REDUCE_MAX, REDUCE_ADD, STORE, NAN_BITS,      \
+                            EQ_BITS)                                                             \
   struct NAME {                                                                                  \
+    /* Greedy rows: the first index of the row's maximum, a NaN above every number (as        \
+       torch.argmax): the maximum and whether a NaN occurs in one pass, then a scan for the    \
+       first lane equal to it (or the first NaN). */                                           \
+    TARGET static int64_t argmax(const float* x, int64_t n) {                                   \
+      VEC m = SET1(-INFINITY);                                                                   \
+      int nan = 0;                                                                               \
+      int64_t i = 0;                                                                             \
+      for (; i + W <= n; i += W) {                                                               \
+        const VEC v = LOAD(x + i);                                                               \
+        nan |= NAN_BITS(v);                                                                      \
+        m = MAXF(m, v);                                                                          \
+      }                                                                                          \
+      float best = REDUCE_MAX(m);                                                                \
+      for (int64_t j = i; j < n; ++j) {                                                          \
+        nan |= std::isnan(x[j]);                                                                 \
+        best = x[j] > best ? x[j] : best;                                                        \
+      }                                                                                          \
+      if (nan)                                                                                   \
+        for (int64_t j = 0; j < n; ++j)                                                          \
+          if (std::isnan(x[j])) return j;                                                        \
+      const VEC bv = SET1(best);                                                                 \
+      for (i = 0; i + W <= n; i += W)                                                            \
+        if (const int k = EQ_BITS(LOAD(x + i), bv)) return i + __builtin_ctz(k);                 \
+      for (; i < n; ++i)                                                                         \
+        if (x[i] == best) return i;                                                              \
+      return 0;                                                                                  \
+    }                                                                                            \
     TARGET static float row_max(const float* x, int64_t n) {                                    \
       VEC m = SET1(-INFINITY);                                                                   \
       int64_t i = 0;                                                                             \
@@ -87,10 +115,16 @@ PAGEDLLM_AVX512_TARGET static inline __m512 sample_exp16(__m512 z) {
 PAGEDLLM_AVX512_TARGET static inline __m512 sample_zero_below16(__m512 e, __m512 z) {
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(z, _mm512_set1_ps(kSampleExpFloor), _CMP_GE_OQ), e);
 }
+PAGEDLLM_AVX512_TARGET static inline int sample_nan_bits16(__m512 v) {
+  return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+}
+PAGEDLLM_AVX512_TARGET static inline int sample_eq_bits16(__m512 a, __m512 b) {
+  return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ);
+}
 PAGEDLLM_SAMPLE_OPS(SampleAvx512, PAGEDLLM_AVX512_TARGET, __m512, 16, _mm512_set1_ps,
                     _mm512_loadu_ps, _mm512_max_ps, _mm512_sub_ps, _mm512_mul_ps, _mm512_add_ps,
                     sample_exp16, sample_zero_below16, sample_load16, _mm512_reduce_max_ps,
-                    _mm512_reduce_add_ps, _mm512_storeu_ps)
+                    _mm512_reduce_add_ps, _mm512_storeu_ps, sample_nan_bits16, sample_eq_bits16)
 
 // ---- AVX2 ----
 PAGEDLLM_AVX2_TARGET static inline __m256 sample_load8(const float* x, int64_t i, int64_t n) {
@@ -102,10 +136,16 @@ PAGEDLLM_AVX2_TARGET static inline __m256 sample_load8(const float* x, int64_t i
 PAGEDLLM_AVX2_TARGET static inline __m256 sample_zero_below8(__m256 e, __m256 z) {
   return _mm256_and_ps(e, _mm256_cmp_ps(z, _mm256_set1_ps(kSampleExpFloor), _CMP_GE_OQ));
 }
+PAGEDLLM_AVX2_TARGET static inline int sample_nan_bits8(__m256 v) {
+  return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+PAGEDLLM_AVX2_TARGET static inline int sample_eq_bits8(__m256 a, __m256 b) {
+  return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ));
+}
 PAGEDLLM_SAMPLE_OPS(SampleAvx2, PAGEDLLM_AVX2_TARGET, __m256, 8, _mm256_set1_ps, _mm256_loadu_ps,
                     _mm256_max_ps, _mm256_sub_ps, _mm256_mul_ps, _mm256_add_ps, exp8,
                     sample_zero_below8, sample_load8, hmax8, hsum8,
-                    _mm256_storeu_ps)
+                    _mm256_storeu_ps, sample_nan_bits8, sample_eq_bits8)
 #undef PAGEDLLM_SAMPLE_OPS
 
 // One row's draw: the token whose interval of the running weight sum holds u * total (u in
