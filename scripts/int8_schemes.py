@@ -1,0 +1,128 @@
+"""Which int8 scheme keeps a real model's greedy tokens: simulated in PyTorch on the
+transformers model (fake quantization, fp32 products), teacher-forced against bf16's own
+greedy continuation of `int8_agreement.py`'s prompts (the share of its tokens each variant
+also ranks first, every position seeing the same prefix), and free-running (tokens before
+the first disagreement).
+
+    python scripts/int8_schemes.py MODEL_DIR [--tokens 64]
+
+Variants: fp32 (rounding alone), per-channel int8 weights with bf16 / fp32 activations
+(weight-only, what issue 12 names), with activations per row as uint8 over [min, 0] .. [0, max]
+(W8A8, what `quantization="int8"` runs today: layers/quantization.py) or as symmetric int16
+(W8A16). The LM head stays unquantized unless the name says "+ head".
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from int8_agreement import PROMPTS  # noqa: E402
+
+
+def fake_int8_weights(w: torch.Tensor) -> torch.Tensor:
+    """Per output channel, symmetric: round(w / s) * s with s = max |w| / 127."""
+    wf = w.float()
+    s = wf.abs().amax(1, keepdim=True).clamp(min=1e-8) / 127
+    return (wf / s).round().clamp(-127, 127) * s
+
+
+def act_u8(x: torch.Tensor) -> torch.Tensor:
+    lo = x.amin(-1, keepdim=True).clamp(max=0)
+    hi = x.amax(-1, keepdim=True).clamp(min=0)
+    span = (hi - lo).clamp(min=1e-8)
+    inv = 255 / span
+    zero = (-lo * inv).round()
+    return (((x * inv).round() + zero).clamp(0, 255) - zero) * (span / 255)
+
+
+def act_s16(x: torch.Tensor) -> torch.Tensor:
+    s = x.abs().amax(-1, keepdim=True).clamp(min=1e-8) / 32767
+    return (x / s).round() * s
+
+
+def quantize(model: torch.nn.Module, acts, head: bool) -> None:
+    for name, mod in model.named_modules():
+        if not isinstance(mod, torch.nn.Linear) or ("lm_head" in name and not head):
+            continue
+        mod.weight.data = fake_int8_weights(mod.weight.data).to(mod.weight.dtype)
+        if acts is not None:
+
+            def forward(x, mod=mod, acts=acts):
+                bias = None if mod.bias is None else mod.bias.float()
+                return F.linear(acts(x.float()), mod.weight.float(), bias).to(x.dtype)
+
+            mod.forward = forward
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--tokens", type=int, default=64)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(args.model)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    texts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
+        )
+        for p in PROMPTS
+    ]
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    L, T = enc["input_ids"].shape[1], args.tokens
+
+    def load(dtype):
+        return AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
+
+    @torch.no_grad()
+    def generate(model):
+        out = model.generate(
+            **enc,
+            max_new_tokens=T,
+            min_new_tokens=T,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+        )
+        return out
+
+    ref = generate(load(torch.bfloat16))  # [B, L + T]
+    mask = torch.cat([enc["attention_mask"], torch.ones(ref.shape[0], T, dtype=torch.long)], 1)
+
+    @torch.no_grad()
+    def measure(model) -> tuple[float, float]:
+        pred = model(input_ids=ref, attention_mask=mask).logits[:, L - 1 : L - 1 + T].argmax(-1)
+        forced = (pred == ref[:, L:]).float().mean().item()
+        free = generate(model)[:, L:]
+        same = (free == ref[:, L:]).long()
+        before_first = same.cumprod(1).sum().item() / same.numel()
+        return forced, before_first
+
+    variants = [
+        ("bf16 (the reference, teacher-forced)", torch.bfloat16, None, None, False),
+        ("fp32", torch.float32, None, None, False),
+        ("int8 weight-only, bf16", torch.bfloat16, "w", None, False),
+        ("int8 weight-only, fp32", torch.float32, "w", None, False),
+        ("W8A8 uint8 (today's)", torch.bfloat16, "w", act_u8, False),
+        ("W8A8 uint8 + head", torch.bfloat16, "w", act_u8, True),
+        ("W8A16 int16", torch.bfloat16, "w", act_s16, False),
+    ]
+    print(f"{len(PROMPTS)} prompts x {T} tokens against bf16 greedy")
+    for name, dtype, weights, acts, head in variants:
+        model = load(dtype)
+        if weights:
+            quantize(model, acts, head)
+        forced, free = measure(model)
+        print(f"  {name:38s} teacher-forced top-1 {forced:6.1%}   free-running {free:6.1%}")
+
+
+if __name__ == "__main__":
+    main()
