@@ -8,8 +8,8 @@ the first disagreement).
 
 Variants: fp32 (rounding alone), per-channel int8 weights with bf16 / fp32 activations
 (weight-only, what issue 12 names), with activations per row as uint8 over [min, 0] .. [0, max]
-(W8A8, what `quantization="int8"` runs today: layers/quantization.py) or as symmetric int16
-(W8A16). The LM head stays unquantized unless the name says "+ head".
+(W8A8, what `quantization="int8"` runs today: layers/quantization.py), as symmetric int16
+or as uint16 with a zero point (W8A16). The LM head stays unquantized unless the name says "+ head".
 """
 
 from __future__ import annotations
@@ -33,13 +33,25 @@ def fake_int8_weights(w: torch.Tensor) -> torch.Tensor:
     return (wf / s).round().clamp(-127, 127) * s
 
 
-def act_u8(x: torch.Tensor) -> torch.Tensor:
+def act_asym(x: torch.Tensor, levels: int) -> torch.Tensor:
+    """Per row over [min(x, 0), max(x, 0)] in `levels` steps with a zero point (levels = 255:
+    the uint8 rows of layers/quantization.py)."""
     lo = x.amin(-1, keepdim=True).clamp(max=0)
     hi = x.amax(-1, keepdim=True).clamp(min=0)
     span = (hi - lo).clamp(min=1e-8)
-    inv = 255 / span
+    inv = levels / span
     zero = (-lo * inv).round()
-    return (((x * inv).round() + zero).clamp(0, 255) - zero) * (span / 255)
+    return (((x * inv).round() + zero).clamp(0, levels) - zero) * (span / levels)
+
+
+def act_u8(x: torch.Tensor) -> torch.Tensor:
+    return act_asym(x, 255)
+
+
+def act_u16(x: torch.Tensor) -> torch.Tensor:
+    """16-bit rows with a zero point: what two uint8 rows (high and low bytes) through the
+    same u8 x s8 products would compute (sums combined as 256 hi + lo)."""
+    return act_asym(x, 65535)
 
 
 def act_s16(x: torch.Tensor) -> torch.Tensor:
@@ -114,6 +126,7 @@ def main() -> None:
         ("W8A8 uint8 (today's)", torch.bfloat16, "w", act_u8, False),
         ("W8A8 uint8 + head", torch.bfloat16, "w", act_u8, True),
         ("W8A16 int16", torch.bfloat16, "w", act_s16, False),
+        ("W8A16 uint16 with a zero point", torch.bfloat16, "w", act_u16, False),
     ]
     print(f"{len(PROMPTS)} prompts x {T} tokens against bf16 greedy")
     for name, dtype, weights, acts, head in variants:
