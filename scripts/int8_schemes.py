@@ -1,6 +1,6 @@
 """Which int8 scheme keeps a real model's greedy tokens: simulated in PyTorch on the
 transformers model (fake quantization, fp32 products), teacher-forced against bf16's own
-greedy continuation of `int8_agreement.py`'s prompts (the share of its tokens each variant
+greedy continuation of `pagedllm.testing.agreement`'s chat prompts (the share of its tokens each variant
 also ranks first, every position seeing the same prefix), and free-running (tokens before
 the first disagreement).
 
@@ -15,15 +15,12 @@ or as uint16 with a zero point (W8A16). The LM head stays unquantized unless the
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-sys.path.insert(0, str(Path(__file__).parent))
-from int8_agreement import PROMPTS  # noqa: E402
+from pagedllm.testing.agreement import CHAT_PROMPTS as PROMPTS
 
 
 def fake_int8_weights(w: torch.Tensor) -> torch.Tensor:
