@@ -158,9 +158,10 @@ def kmajor(q):  # [n, k] -> [P][K][64]
     return q.view(n // 64, 64, k).transpose(1, 2).contiguous()
 
 
-layers = []
-HOT = len(sys.argv) > 2
-for _ in range(LAYERS):
+HOT = len(sys.argv) > 2  # one layer's weights for all 30: served from cache
+
+
+def make_layer() -> list[dict]:
     layer = []
     for n, k in SHAPES:
         q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
@@ -175,7 +176,10 @@ for _ in range(LAYERS):
                 bf=to_panels((q.float() * 1e-3).bfloat16()),
             )
         )
-    layers.append(layer if not HOT or not layers else layers[0])
+    return layer
+
+
+layers = [make_layer()] * LAYERS if HOT else [make_layer() for _ in range(LAYERS)]
 xs = {k: torch.randn(1, k).bfloat16() for _, k in SHAPES}
 xf = {k: v[0].float() for k, v in xs.items()}
 x2 = {k: torch.randn(2, k).bfloat16() for _, k in SHAPES}
@@ -183,27 +187,17 @@ xq16 = {}
 for k, v in xf.items():
     s16 = v.abs().max().item() / 32767
     xq16[k] = ((v / s16).round().to(torch.int16), s16)
-# correctness of the probe kernels against fp32
-L0 = layers[0][2]
 
-
-def ref(d):
-    qq = d["km"].transpose(1, 2).reshape(d["n"], d["k"]).float()
-    return (xs[d["k"]].float() @ qq.T)[0] * d["scale"]
-
-
-for kmaj in (False, True):
-    got = m.wo_row(
-        xs[L0["k"]][0].float(), L0["km"] if kmaj else L0["quads"], L0["scale"], L0["n"], kmaj
-    )
-    print(
-        "probe",
-        "kmajor" if kmaj else "quads",
-        "max rel err",
-        ((got - ref(L0)).abs().max() / ref(L0).abs().max()).item(),
-    )
-got = m.w8a16_row(*xq16[L0["k"]], L0["quads"], L0["scale"], L0["n"])
-print("probe w8a16 max rel err", ((got - ref(L0)).abs().max() / ref(L0).abs().max()).item())
+# The probe kernels against fp32 products on one gate / up weight.
+d = layers[0][2]
+want = (xf[d["k"]] @ d["km"].transpose(1, 2).reshape(d["n"], d["k"]).float().T) * d["scale"]
+probes = {
+    "quads": m.wo_row(xf[d["k"]], d["quads"], d["scale"], d["n"], False),
+    "kmajor": m.wo_row(xf[d["k"]], d["km"], d["scale"], d["n"], True),
+    "w8a16": m.w8a16_row(*xq16[d["k"]], d["quads"], d["scale"], d["n"]),
+}
+for name, got in probes.items():
+    print(f"probe {name} max rel err {((got - want).abs().max() / want.abs().max()).item():.2e}")
 cases = {
     "bf16 panels": lambda d: ops.linear(xs[d["k"]], d["bf"], None, d["n"], False),
     "W8A8 (today)": lambda d: ops.linear_int8(
@@ -224,7 +218,7 @@ for r in range(int(sys.argv[1]) if len(sys.argv) > 1 else 15):
             for d in layer:
                 f(d)
         times[c].append(time.perf_counter() - t)
-base = statistics.median(times["bf16 panels"])
-for c in cases:
-    s = statistics.median(times[c][1:])
+medians = {c: statistics.median(t[1:]) for c, t in times.items()}  # round 0: warm-up
+base = medians["bf16 panels"]
+for c, s in medians.items():
     print(f"{c:22s} {s * 1e3:6.2f} ms   vs bf16 {base / s:4.2f}x")

@@ -20,47 +20,39 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from pagedllm.layers.quantization import quantize_activations, quantize_rows
 from pagedllm.testing.agreement import CHAT_PROMPTS as PROMPTS
 
 
-def fake_int8_weights(w: torch.Tensor) -> torch.Tensor:
-    """Per output channel, symmetric: round(w / s) * s with s = max |w| / 127."""
-    wf = w.float()
-    s = wf.abs().amax(1, keepdim=True).clamp(min=1e-8) / 127
-    return (wf / s).round().clamp(-127, 127) * s
-
-
-def act_asym(x: torch.Tensor, levels: int) -> torch.Tensor:
-    """Per row over [min(x, 0), max(x, 0)] in `levels` steps with a zero point (levels = 255:
-    the uint8 rows of layers/quantization.py)."""
-    lo = x.amin(-1, keepdim=True).clamp(max=0)
-    hi = x.amax(-1, keepdim=True).clamp(min=0)
-    span = (hi - lo).clamp(min=1e-8)
-    inv = levels / span
-    zero = (-lo * inv).round()
-    return (((x * inv).round() + zero).clamp(0, levels) - zero) * (span / levels)
-
-
 def act_u8(x: torch.Tensor) -> torch.Tensor:
-    return act_asym(x, 255)
+    """Rows through `quantize_activations` (what the int8 engine computes) and back."""
+    xq, scale, zero = quantize_activations(x.reshape(-1, x.shape[-1]))
+    return ((xq.float() - zero[:, None]) * scale[:, None]).reshape(x.shape)
 
 
 def act_u16(x: torch.Tensor) -> torch.Tensor:
-    """16-bit rows with a zero point: what two uint8 rows (high and low bytes) through the
-    same u8 x s8 products would compute (sums combined as 256 hi + lo)."""
-    return act_asym(x, 65535)
+    """`quantize_activations`' rows with 65535 levels instead of 255: what two uint8 rows (high
+    and low bytes) through the same u8 x s8 products would compute (sums as 256 hi + lo)."""
+    lo = x.amin(-1, keepdim=True).clamp(max=0)
+    span = (x.amax(-1, keepdim=True).clamp(min=0) - lo).clamp(min=1e-12)
+    inv = 65535 / span
+    zero = (-lo * inv).round()
+    return (((x * inv).round() + zero).clamp(0, 65535) - zero) / inv
 
 
 def act_s16(x: torch.Tensor) -> torch.Tensor:
-    s = x.abs().amax(-1, keepdim=True).clamp(min=1e-8) / 32767
+    s = x.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 32767
     return (x / s).round() * s
 
 
 def quantize(model: torch.nn.Module, acts, head: bool) -> None:
+    """Every linear layer's weight through `quantize_rows` (int8_linear's per-channel int8) and
+    back; with `acts`, its input rows too, the product in fp32."""
     for name, mod in model.named_modules():
         if not isinstance(mod, torch.nn.Linear) or ("lm_head" in name and not head):
             continue
-        mod.weight.data = fake_int8_weights(mod.weight.data).to(mod.weight.dtype)
+        q, scale = quantize_rows(mod.weight.data)
+        mod.weight.data = (q.float() * scale[:, None]).to(mod.weight.dtype)
         if acts is not None:
 
             def forward(x, mod=mod, acts=acts):
@@ -75,7 +67,6 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("--tokens", type=int, default=64)
     args = ap.parse_args()
-    torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(args.model)
     tok.padding_side = "left"
     if tok.pad_token is None:
@@ -94,14 +85,13 @@ def main() -> None:
 
     @torch.no_grad()
     def generate(model):
-        out = model.generate(
+        return model.generate(
             **enc,
             max_new_tokens=T,
             min_new_tokens=T,
             do_sample=False,
             pad_token_id=tok.pad_token_id,
         )
-        return out
 
     ref = generate(load(torch.bfloat16))  # [B, L + T]
     mask = torch.cat([enc["attention_mask"], torch.ones(ref.shape[0], T, dtype=torch.long)], 1)
@@ -116,19 +106,19 @@ def main() -> None:
         return forced, before_first
 
     variants = [
-        ("bf16 (the reference, teacher-forced)", torch.bfloat16, None, None, False),
-        ("fp32", torch.float32, None, None, False),
-        ("int8 weight-only, bf16", torch.bfloat16, "w", None, False),
-        ("int8 weight-only, fp32", torch.float32, "w", None, False),
-        ("W8A8 uint8 (today's)", torch.bfloat16, "w", act_u8, False),
-        ("W8A8 uint8 + head", torch.bfloat16, "w", act_u8, True),
-        ("W8A16 int16", torch.bfloat16, "w", act_s16, False),
-        ("W8A16 uint16 with a zero point", torch.bfloat16, "w", act_u16, False),
+        ("bf16 (the reference, teacher-forced)", torch.bfloat16, False, None, False),
+        ("fp32", torch.float32, False, None, False),
+        ("int8 weight-only, bf16", torch.bfloat16, True, None, False),
+        ("int8 weight-only, fp32", torch.float32, True, None, False),
+        ("W8A8 uint8 (today's)", torch.bfloat16, True, act_u8, False),
+        ("W8A8 uint8 + head", torch.bfloat16, True, act_u8, True),
+        ("W8A16 int16", torch.bfloat16, True, act_s16, False),
+        ("W8A16 uint16 with a zero point", torch.bfloat16, True, act_u16, False),
     ]
     print(f"{len(PROMPTS)} prompts x {T} tokens against bf16 greedy")
-    for name, dtype, weights, acts, head in variants:
+    for name, dtype, int8, acts, head in variants:
         model = load(dtype)
-        if weights:
+        if int8:
             quantize(model, acts, head)
         forced, free = measure(model)
         print(f"  {name:38s} teacher-forced top-1 {forced:6.1%}   free-running {free:6.1%}")
