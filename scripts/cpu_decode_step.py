@@ -3,7 +3,7 @@ the engine: 30 layers of random bf16 weights (each layer its own, so they stream
 in a real step), a paged bf16 KV cache holding BATCH sequences of CONTEXT tokens, and the step's
 new token per sequence. Times the fused decoder layer (`decoder_layer_decode`, what the engine
 runs) and the same work op by op, alternated; prints the medians and each op's mean share.
-`--int8`: the projections' weights int8 (W8A8, `quantization="int8"`'s kernels) instead of bf16.
+`--int8`: the projections' weights int8 (W8A16, `quantization="int8"`'s kernels) instead of bf16.
 
     python scripts/cpu_decode_step.py [BATCH] [CONTEXT] [--rounds 7] [--int8]
 """

@@ -1,7 +1,7 @@
 """fp32 GEMMs on this CPU: MKL (`F.linear`, what transformers runs), oneDNN on a prepacked
 weight (what vLLM's CPU backend runs), and pagedllm's fp32 panels (`ops/csrc/gemm_f32.h`).
 With `--weight-dtypes`: pagedllm's AVX2 panels by weight dtype instead: fp32, bf16 (widened
-on load, fp32 sums; bf16 activations) and int8 (W8A8, `ops/csrc/gemm_int8.h`; fp32
+on load, fp32 sums; bf16 activations) and int8 (W8A16, `ops/csrc/gemm_int8.h`; fp32
 activations), GB/s counted in each one's own weight bytes.
 
 Shapes are the demo model's (SmolLM2-135M: hidden 576, MLP 1536, vocabulary 49,152); each
@@ -95,7 +95,7 @@ def main() -> None:
 def by_weight_dtype() -> None:
     ops = cpu_ops()
     print(f"threads {torch.get_num_threads()}")
-    print("| N x K | M | fp32 | bf16 | int8 (W8A8) | fp32 / bf16 | fp32 / int8 |")
+    print("| N x K | M | fp32 | bf16 | int8 (W8A16) | fp32 / bf16 | fp32 / int8 |")
     print("|---|---|---|---|---|---|---|")
     for n, k, weights in shapes():
         f32 = [to_panels(w, 1) for w in weights]

@@ -16,7 +16,7 @@ checkout's time: above 1, this checkout is faster). `--attention LOW HIGH` adds 
 attention (`paged_prefill_attention`) on 64 prompts of LOW-HIGH tokens; `--decode B LOW HIGH`
 decode attention (`paged_decode_attention`) of B requests of LOW-HIGH tokens, over 30 layers'
 caches (their K / V from memory, as in a step). `--int8` adds the same products on int8
-weights (`linear_int8`, W8A8, as `quantization="int8"` runs them).
+weights (`linear_int8`, W8A16, as `quantization="int8"` runs them).
 """
 
 from __future__ import annotations

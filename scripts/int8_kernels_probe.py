@@ -1,5 +1,5 @@
 """Probe (AVX-512 VNNI CPUs): one-row int8 kernels that keep more of the activations' precision
-than today's W8A8, against it and the bf16 panels, on SmolLM2's 120 products (30 layers of
+than W8A8 did, against the engine's int8 kernel and the bf16 panels, on SmolLM2's 120 products (30 layers of
 random weights, from memory; `hot` reuses one layer's, to see each kernel's compute ceiling).
 
     python scripts/int8_kernels_probe.py [ROUNDS] [hot]
@@ -8,8 +8,9 @@ random weights, from memory; `hot` reuses one layer's, to see each kernel's comp
   in fp32, exact products), on today's [64][4] quad panels or on [K][64] panels;
 - "W8A16 vpdpwssd": activations as symmetric int16 per row, weights sign-extended to int16 in
   registers, int32 sums in chunks of 512 inputs flushed to fp32;
-- "W8A8 kernel on 2 rows": today's linear_int8 on two rows, the cost of running a 16-bit row
-  as its high and low bytes (two uint8 rows) through the same u8 x s8 products.
+- "linear_int8, words" / "linear_int8, byte rows": the engine's W8A16 kernel (gemm_int8.h) on
+  one row as int16 words (vpdpwssd) or as its two byte rows (vpdpbusd), the cpu_int8_row_words
+  switch (the same bits; which is faster depends on the CPU).
 The probe kernels are built here (torch's load_inline), statically split over the threads;
 their activations are converted before timing. Accuracy of each scheme: int8_schemes.py.
 """
@@ -182,7 +183,6 @@ def make_layer() -> list[dict]:
 layers = [make_layer()] * LAYERS if HOT else [make_layer() for _ in range(LAYERS)]
 xs = {k: torch.randn(1, k).bfloat16() for _, k in SHAPES}
 xf = {k: v[0].float() for k, v in xs.items()}
-x2 = {k: torch.randn(2, k).bfloat16() for _, k in SHAPES}
 xq16 = {}
 for k, v in xf.items():
     s16 = v.abs().max().item() / 32767
@@ -200,19 +200,22 @@ for name, got in probes.items():
     print(f"probe {name} max rel err {((got - want).abs().max() / want.abs().max()).item():.2e}")
 cases = {
     "bf16 panels": lambda d: ops.linear(xs[d["k"]], d["bf"], None, d["n"], False),
-    "W8A8 (today)": lambda d: ops.linear_int8(
+    "linear_int8, words": lambda d: ops.linear_int8(
         xs[d["k"]], d["quads"], d["scale"], d["colsum"], None, d["n"], False
     ),
     "weight-only quads": lambda d: m.wo_row(xf[d["k"]], d["quads"], d["scale"], d["n"], False),
     "weight-only k-major": lambda d: m.wo_row(xf[d["k"]], d["km"], d["scale"], d["n"], True),
     "W8A16 vpdpwssd": lambda d: m.w8a16_row(*xq16[d["k"]], d["quads"], d["scale"], d["n"]),
-    "W8A8 kernel on 2 rows": lambda d: ops.linear_int8(
-        x2[d["k"]], d["quads"], d["scale"], d["colsum"], None, d["n"], False
+    "linear_int8, byte rows": lambda d: ops.linear_int8(
+        xs[d["k"]], d["quads"], d["scale"], d["colsum"], None, d["n"], False
     ),
 }
+words = {"linear_int8, words": True, "linear_int8, byte rows": False}
+default_words = ops.cpu_int8_row_words(None)
 times = {c: [] for c in cases}
 for r in range(int(sys.argv[1]) if len(sys.argv) > 1 else 15):
     for c, f in cases.items() if r % 2 else reversed(cases.items()):
+        ops.cpu_int8_row_words(words.get(c, default_words))
         t = time.perf_counter()
         for layer in layers:
             for d in layer:

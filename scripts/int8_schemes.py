@@ -8,8 +8,8 @@ the first disagreement).
 
 Variants: fp32 (rounding alone), per-channel int8 weights with bf16 / fp32 activations
 (weight-only, what issue 12 names), with activations per row as uint8 over [min, 0] .. [0, max]
-(W8A8, what `quantization="int8"` runs today: layers/quantization.py), as symmetric int16
-or as uint16 with a zero point (W8A16). The LM head stays unquantized unless the name says "+ head".
+(W8A8, what `quantization="int8"` ran until it took 16-bit rows), as symmetric int16 (W8A16,
+what it runs now: layers/quantization.py) or as uint16 with a zero point. The LM head stays unquantized unless the name says "+ head".
 """
 
 from __future__ import annotations
@@ -25,24 +25,27 @@ from pagedllm.testing.agreement import CHAT_PROMPTS as PROMPTS
 
 
 def act_u8(x: torch.Tensor) -> torch.Tensor:
-    """Rows through `quantize_activations` (what the int8 engine computes) and back."""
-    xq, scale, zero = quantize_activations(x.reshape(-1, x.shape[-1]))
-    return ((xq.float() - zero[:, None]) * scale[:, None]).reshape(x.shape)
+    """Rows as uint8 over [min(x, 0), max(x, 0)] with a zero point and back (W8A8)."""
+    return _asymmetric(x, 255)
 
 
 def act_u16(x: torch.Tensor) -> torch.Tensor:
-    """`quantize_activations`' rows with 65535 levels instead of 255: what two uint8 rows (high
-    and low bytes) through the same u8 x s8 products would compute (sums as 256 hi + lo)."""
+    """The same with 65535 levels instead of 255."""
+    return _asymmetric(x, 65535)
+
+
+def _asymmetric(x: torch.Tensor, levels: int) -> torch.Tensor:
     lo = x.amin(-1, keepdim=True).clamp(max=0)
     span = (x.amax(-1, keepdim=True).clamp(min=0) - lo).clamp(min=1e-12)
-    inv = 65535 / span
+    inv = levels / span
     zero = (-lo * inv).round()
-    return (((x * inv).round() + zero).clamp(0, 65535) - zero) / inv
+    return (((x * inv).round() + zero).clamp(0, levels) - zero) / inv
 
 
 def act_s16(x: torch.Tensor) -> torch.Tensor:
-    s = x.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 32767
-    return (x / s).round() * s
+    """Rows through `quantize_activations` (what the int8 engine computes) and back."""
+    xq, scale = quantize_activations(x.reshape(-1, x.shape[-1]))
+    return (xq.float() * scale[:, None]).reshape(x.shape)
 
 
 def quantize(model: torch.nn.Module, acts, head: bool) -> None:
@@ -110,9 +113,9 @@ def main() -> None:
         ("fp32", torch.float32, False, None, False),
         ("int8 weight-only, bf16", torch.bfloat16, True, None, False),
         ("int8 weight-only, fp32", torch.float32, True, None, False),
-        ("W8A8 uint8 (today's)", torch.bfloat16, True, act_u8, False),
+        ("W8A8 uint8 (before W8A16)", torch.bfloat16, True, act_u8, False),
         ("W8A8 uint8 + head", torch.bfloat16, True, act_u8, True),
-        ("W8A16 int16", torch.bfloat16, True, act_s16, False),
+        ("W8A16 int16 (quantization='int8')", torch.bfloat16, True, act_s16, False),
         ("W8A16 uint16 with a zero point", torch.bfloat16, True, act_u16, False),
     ]
     print(f"{len(PROMPTS)} prompts x {T} tokens against bf16 greedy")

@@ -401,8 +401,8 @@ _HELP = {
     "what was in flight); 0 turns stall detection off.",
     "tokenizer": "Tokenizer directory (default: the model directory).",
     "dtype": "auto, bfloat16, float16 or float32 (auto: bf16 on the CPU).",
-    "quantization": "Quantization: int8 (W8A8: int8 weights with a scale per output channel, "
-    "activations quantized per token at run time).",
+    "quantization": "Quantization: int8 (W8A16: int8 weights with a scale per output channel, "
+    "activations quantized per token to int16 at run time).",
     "max_model_len": "Longest prompt + output (default: the model's max_position_embeddings).",
     "block_size": "Tokens per KV-cache block.",
     "enable_prefix_caching": "Reuse KV blocks of shared prompt prefixes.",

@@ -9,7 +9,7 @@ Three layouts, chosen per weight by `pack_linear_weight_` (called by the layers'
   One layout serves every batch size: it streams the weights at memory bandwidth for
   decode-sized batches (oneDNN reaches ~40-60% of it at M = 1) and matches or beats oneDNN's
   throughput for large ones (on AMX: 1.1-3x oneDNN's AMX kernels on SmolLM2's projections,
-  BENCHMARKS.md). int8 weights (`weight_scale` set, `layers/quantization.py`) go to the W8A8 kernel
+  BENCHMARKS.md). int8 weights (`weight_scale` set, `layers/quantization.py`) go to the W8A16 kernel
   (`weight_colsum` beside them), with AVX512-VNNI or, without it, AVX2: in a bf16 or an fp32
   model. fp32 weights on AVX2 + FMA CPUs without AVX-512, and bf16 weights on AVX2 + FMA CPUs
   where oneDNN has no bf16 path (`gemm_f32.h`, fp32 arithmetic; bf16 weights are widened as
@@ -192,7 +192,7 @@ def packed_linear(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """`F.linear(x, W, bias)` for the module's weight W in whichever layout it has (int8
-    weights: the W8A8 product of `layers/quantization.py`); the result is in `out_dtype`
+    weights: the W8A16 product of `layers/quantization.py`); the result is in `out_dtype`
     (default: x's dtype)."""
     flat = x.reshape(-1, x.shape[-1])
     if module.batch_invariant:  # row by row (layers/batch_invariant.py)

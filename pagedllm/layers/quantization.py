@@ -1,6 +1,8 @@
 """int8 quantization (`quantization="int8"`, `--quantization int8`): int8 weights with a
-scale per output channel, activations quantized per token on the fly (W8A8, dynamic; what
-vLLM's CPU int8 path computes).
+scale per output channel, activations quantized per token on the fly to 16 bits (W8A16,
+dynamic): the weights' bytes are what a decode step streams, and 16-bit activations keep
+their rounding far below the weights' (8-bit ones, W8A8 as vLLM's CPU int8 path, lost ~8% of
+a real chat model's greedy tokens against bf16; 16-bit ones ~4%: BENCHMARKS.md).
 
 A transform applied to a built model before its checkpoint is loaded: every linear layer and
 an untied LM head get an int8 weight and a float32 scale per output channel,
@@ -12,10 +14,10 @@ tensor-parallel shard along the outputs takes its rows' scales; one along the in
 the whole rows' scales, which factor out of its partial sums). The bf16 weight is never held
 whole: the layers' plain weights are replaced before loading, while still unwritten.
 
-At run time each row of the input is quantized to uint8 over its own range
+At run time each row of the input is quantized to int16 over its own largest magnitude
 (`quantize_activations`) and multiplied in exact integer arithmetic (`int8_linear`, the
-reference; the native kernel, `pagedllm/ops/csrc/gemm_int8.h`, computes the same numbers with
-AVX512-VNNI, or with AVX2 on CPUs without it). A row's result depends on that row alone. A
+reference; the native kernel, `pagedllm/ops/csrc/gemm_int8.h`, computes the same numbers on
+AMX tiles, with AVX512-VNNI, or with AVX2 on CPUs without it). A row's result depends on that row alone. A
 tied LM head keeps its table unquantized (the embedding reads it as rows) and, where the int8
 kernel runs, multiplies the logits with an int8 copy of it (`VocabParallelEmbedding`).
 """
@@ -46,19 +48,17 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[M, K] -> (xq [M, K] uint8, scale [M] float32, zero [M] int32) with
-    x ~= scale[:, None] * (xq - zero[:, None]): per row, asymmetric over [min(x, 0), max(x, 0)],
-    round half to even, in float32 (the native kernel's arithmetic, step for step)."""
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (xq [M, K] int16, scale [M] float32) with x ~= scale[:, None] * xq: per row,
+    symmetric over its largest magnitude (32767 levels a side), round half to even, in float32
+    (the native kernel's arithmetic, step for step)."""
     xf = x.float()
-    lo = xf.amin(dim=1).clamp(max=0.0)
-    span = xf.amax(dim=1).clamp(min=0.0) - lo
-    span = torch.where(span > 0, span, torch.ones_like(span))
-    levels = torch.full_like(span, 255.0)  # tensor / tensor: an IEEE division (a Python
-    inv = levels / span  # scalar on either side may become a multiply by a reciprocal)
-    zero = torch.round(-lo * inv)
-    xq = (torch.round(xf * inv[:, None]) + zero[:, None]).clamp_(0, 255)
-    return xq.to(torch.uint8), span / levels, zero.to(torch.int32)
+    amax = xf.abs().amax(dim=1)
+    amax = torch.where(amax > 0, amax, torch.ones_like(amax))
+    levels = torch.full_like(amax, 32767.0)  # tensor / tensor: an IEEE division (a Python
+    inv = levels / amax  # scalar on either side may become a multiply by a reciprocal)
+    xq = torch.round(xf * inv[:, None]).clamp_(-32767, 32767)
+    return xq.to(torch.int16), amax / levels
 
 
 def int8_linear(
@@ -69,16 +69,21 @@ def int8_linear(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """The int8 layer: x [M, K] (any float dtype), q [N, K] int8, w_scale [N] -> [M, N] in
-    `out_dtype`, y = float(sum_k (xq - zero) q) * x_scale * w_scale + bias, the sums exact."""
-    xq, x_scale, zero = quantize_activations(x)
+    `out_dtype`, y = float(sum_k xq q) * x_scale * w_scale + bias, the sums exact."""
+    xq, x_scale = quantize_activations(x)
     if x.device.type == "cpu":
-        # int8 x int8 -> int32 (`_int_mm`): xq - zero = (xq - 128) - (zero - 128). Exact for
-        # K <= 65536: the true sum fits in int32, so wrapped partial terms cancel.
-        shifted = (xq.to(torch.int16) - 128).to(torch.int8)
-        colsum = q.sum(dim=1, dtype=torch.int32)
-        dot = torch._int_mm(shifted, q.T) - (zero - 128)[:, None] * colsum[None, :]
+        # int8 x int8 -> int32 (`_int_mm`) on the bytes of u = xq + 32768, each shifted by
+        # -128 into int8 (what the native kernel multiplies, as uint8): with u = 256 hi + lo,
+        # sum xq q = 256 sum (hi - 128) q + sum (lo - 128) q + 128 colsum. Each int32 sum is
+        # exact for K <= 65536; the combination is int64.
+        u = xq.to(torch.int32) + 32768
+        hi = ((u >> 8) - 128).to(torch.int8)
+        lo = ((u & 255) - 128).to(torch.int8)
+        colsum = q.sum(dim=1, dtype=torch.int64)
+        qt = q.T
+        dot = 256 * torch._int_mm(hi, qt).long() + torch._int_mm(lo, qt).long() + 128 * colsum
     else:  # `_int_mm` has shape limits on CUDA; float64 sums are exact too (|sum| < 2^53)
-        dot = (xq.double() - zero.double()[:, None]) @ q.double().T
+        dot = xq.double() @ q.double().T
     y = dot.float() * x_scale[:, None] * w_scale.float()[None, :]
     if bias is not None:
         y = y + bias.float()

@@ -41,6 +41,16 @@ def amx_allowed(request):
     ops.cpu_allow_amx(default)
 
 
+@pytest.fixture(params=[True, False], ids=["row-words", "row-bytes"])
+def int8_row_words(request):
+    """One-row int8 products as int16 words (vpdpwssd) and as two byte rows (vpdpbusd): the
+    VNNI kernel's two ways, whichever this CPU takes by default."""
+    default = ops.cpu_int8_row_words(None)
+    ops.cpu_int8_row_words(request.param)
+    yield request.param
+    ops.cpu_int8_row_words(default)
+
+
 def torch_path(monkeypatch):
     """Make the layers take their PyTorch code (the kernels are looked up per call)."""
     for layer in ("layernorm", "activation", "rotary_embedding"):
@@ -99,11 +109,11 @@ def test_linear_bf16(m, n, k):
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
 @pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 97, 200])
 @pytest.mark.parametrize("n,k", [(1, 1), (64, 64), (100, 770), (130, 3001), (1280, 96), (4160, 64)])
-def test_linear_int8_equals_the_reference(m, n, k, dtype):
-    """The W8A8 kernel (AVX512-VNNI where the CPU has it, else AVX2) computes `int8_linear`'s
-    numbers exactly (integer sums, the same float steps), for bf16 and fp32 activations, K not
-    a multiple of 4 or of the kernels' K chunks, partial panels, bias or none, either output
-    dtype, row tiles and their leftovers."""
+def test_linear_int8_equals_the_reference(m, n, k, dtype, int8_row_words):
+    """The W8A16 kernel (AMX tiles, AVX512-VNNI with a row as int16 words or as byte rows, or
+    AVX2: whichever this CPU has) computes `int8_linear`'s numbers exactly (integer sums, the
+    same float steps), for bf16 and fp32 activations, K not a multiple of 4 or of the kernels'
+    K chunks, partial panels, bias or none, either output dtype, row tiles and leftovers."""
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = (torch.randn(m, k, generator=g) * 3).to(dtype)
     x[0] = x[0].abs()  # a row without negatives (zero point 0), and one of zeros (span 0)
@@ -203,7 +213,7 @@ def test_linear_silu_mul_is_silu_and_mul_of_linear(m, n, k):
 )
 @pytest.mark.parametrize("m", [1, 2, 7, 97])
 @pytest.mark.parametrize("n,k", [(128, 64), (3072, 576), (256, 770)])
-def test_linear_int8_silu_mul_is_silu_and_mul_of_linear_int8(m, n, k, amx_allowed):
+def test_linear_int8_silu_mul_is_silu_and_mul_of_linear_int8(m, n, k, amx_allowed, int8_row_words):
     """int8 gate / up weights with SiLU x mul in the epilogue: the bits of the two ops (one
     row, row tiles and leftovers, K not a multiple of 4, several items a thread), with and
     without a bias, from strided rows too; a batch that the AMX tiles take is not fused."""
@@ -221,6 +231,29 @@ def test_linear_int8_silu_mul_is_silu_and_mul_of_linear_int8(m, n, k, amx_allowe
     assert not ops.int8_silu_fusable(x, 96) and not ops.int8_silu_fusable(x.float(), n)
     with pytest.raises(RuntimeError, match="n = 2 x a multiple of 64"):
         ops.linear_int8_silu_mul(x, panels, scale, colsum, None, 96)
+
+
+@needs_avx2
+@pytest.mark.parametrize("m", [1, 3])
+def test_linear_int8_is_exact_at_the_largest_k_and_values(m, int8_row_words):
+    """At K = 65536 (the most an int8 layer takes) with every product at its largest (|x16| =
+    32767, |q| = 127, one sign), the kernels' int32 partial sums must not overflow: the result
+    is the reference's (whose dot products are exact in int64) and the true value's."""
+    k, n = 65536, 64
+    q = torch.full((n, k), 127, dtype=torch.int8)
+    q[1::2] = -127  # both signs of the whole sum
+    scale = torch.ones(n)
+    x = torch.ones(m, k)
+    x[1:] = -1.0
+    panels = to_panels(q)
+    colsum = q.sum(dim=1, dtype=torch.int32)
+    y = ops.linear_int8(x, panels, scale, colsum, None, n, True)
+    ref = int8_linear(x, q, scale, None, torch.float32)
+    assert torch.equal(y, ref)
+    # x16 = +-32767 with scale 1 / 32767: y = +-127 k, to float32's rounding of the exact sum.
+    sign = torch.tensor([1.0, -1.0]).repeat(n // 2)
+    want = (x[:, :1] * sign[None, :] * 127 * k).float()
+    torch.testing.assert_close(y, want, rtol=1e-6, atol=0)
 
 
 @needs_avx2

@@ -55,7 +55,7 @@ def test_trained_model_same_greedy_tokens(copy_model_dir, monkeypatch):
 @pytest.mark.skipif(cpu_ops() is None or not cpu_ops().cpu_has_avx2_fma(), reason="no AVX2 here")
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_int8_kernel_same_greedy_tokens_as_its_reference(dtype, copy_model_dir, monkeypatch):
-    """The W8A8 kernel against `int8_linear` (`PAGEDLLM_CPU_PACK_WEIGHTS=0`), the other native
+    """The W8A16 kernel against `int8_linear` (`PAGEDLLM_CPU_PACK_WEIGHTS=0`), the other native
     ops on in both runs. (Against the whole pure path int8 is not token-exact: the native
     RMSNorm differs from PyTorch's by a bf16 step at times, which can move a row's quantized
     values; `tests/layers/test_quantization.py` bounds int8's distance from bf16 instead.)"""

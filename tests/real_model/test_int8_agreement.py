@@ -43,10 +43,5 @@ def test_the_measure_sees_only_rounding_on_the_reference_itself(forced_top1):
     assert forced_top1[None] >= 0.97, forced_top1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 12: int8 is W8A8 (activation rows as uint8); SmolLM2's activation outliers "
-    "leave ~91% (scripts/int8_schemes.py: weight-only or W8A16 rows keep ~95-96%)",
-)
 def test_int8_keeps_95_percent_of_bf16_greedy_tokens(forced_top1):
     assert forced_top1["int8"] >= 0.95, forced_top1

@@ -1,6 +1,8 @@
-// int8 linear layers: int8 weights, activations quantized per row on the fly (W8A8, dynamic
-// per token), exact int32 dot products. Two kernels on one layout: AVX512-VNNI (vpdpbusd) and
-// AVX2 (vpmaddwd on int16, for CPUs without AVX512-VNNI); both compute the same int32 sums.
+// int8 linear layers: int8 weights, activations quantized per row on the fly to 16 bits
+// (W8A16, dynamic per token), exact integer dot products. Kernels on one layout: AVX512-VNNI
+// (vpdpbusd on byte rows, below; or vpdpwssd on one row's int16 values, row_i16_vnni) and
+// AVX2 (vpmaddwd on int16, for CPUs without AVX512-VNNI); all of them (and gemm_amx.h's tiles)
+// compute the same int32 sums.
 //
 // Weights: q[n, k] int8 with a float32 scale per output channel (layers/quantization.py),
 // packed [N_pad / 64][K_pad / 4][64][4]: a "panel" of 64 output channels over all of K, each
@@ -8,21 +10,27 @@
 // 64-byte vectors that vpdpbusd multiplies by a broadcast quad of x. K is padded with zero
 // weights to a multiple of 4. colsum[n] = sum_k q[n, k].
 //
-// Activations: each row of x (bf16 or fp32) is quantized asymmetrically to uint8 over
-// [min(x, 0), max(x, 0)]: inv = 255 / span, zero = rint(-lo * inv), xq = clamp(rint(x * inv)
-// + zero, 0, 255), scale = span / 255 (so x ~= scale * (xq - zero)). Then
-//   y[m, n] = float(sum_k (xq[m, k] - zero[m]) q[n, k]) * scale[m] * wscale[n] + bias[n],
-// the sum exact in int32 (two's complement wraps cancel: the true value fits for K <= 65536),
-// so a row's result depends on that row alone, whatever the batch or the kernel.
-// `quantize_activations` in layers/quantization.py computes the same values in PyTorch (the
-// reference).
+// Activations: each row of x (bf16 or fp32) is quantized symmetrically to int16 over its
+// largest magnitude a: inv = 32767 / a, x16 = clamp(rint(x * inv), -32767, 32767), scale =
+// a / 32767 (x ~= scale * x16). The kernels multiply bytes, so a row travels as two uint8 rows
+// of u = x16 + 32768: its high bytes (u >> 8, row 2 m) and its low bytes (u & 255, row
+// 2 m + 1). Their int32 sums S_hi, S_lo against q are exact (|S| <= K * 255 * 127 fits for
+// K <= 65536), and
+//   y[m, n] = float(256 S_hi + S_lo - 32768 colsum[n]) * scale[m] * wscale[n] + bias[n],
+// the combination in int64 (exact), so a row's result depends on that row alone, whatever
+// the batch or the kernel. 16 bits rather than 8 keep the activations' rounding well below
+// the weights' (on SmolLM2-135M-Instruct, uint8 rows kept 92% of bf16's greedy tokens,
+// int16 ones 96%: BENCHMARKS.md). `quantize_activations` in layers/quantization.py computes the
+// same values in PyTorch (the reference).
 //
-// Work is split as in gemm.h: (row block) x (panel) items over ATen's threads.
+// Work is split as in gemm.h: (row block) x (panel) items over ATen's threads, on the byte
+// rows (2 M of them: every row block even, so a row's two byte rows stay together).
 #pragma once
 
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -38,12 +46,12 @@ namespace pagedllm {
 
 constexpr int64_t kQuadChunk = 768;  // k-quads per chunk: a 192 KB int8 panel chunk
 constexpr int64_t kMaxInt8K = 65536;  // |sum| <= K * 255 * 127 must fit in int32
+constexpr int64_t kInt16Zero = 32768;  // u = x16 + kInt16Zero
 
 struct Int8GemmArgs {
-  const uint8_t* xq;      // [M, ldx] quantized activations (K_pad used)
-  const float* x_scale;   // [M]
-  const int32_t* x_zero;  // [M]
-  int64_t M, Kq, ldx;     // Kq: k-quads (K_pad / 4)
+  const uint8_t* xq;      // [M, ldx] byte rows (K_pad used): row 2 m high bytes, 2 m + 1 low
+  const float* x_scale;   // [M / 2]: a scale per activation row
+  int64_t M, Kq, ldx;     // M: byte rows (2 per activation row); Kq: k-quads (K_pad / 4)
   const int8_t* w;        // packed panels
   const float* w_scale;   // [N]
   const int32_t* colsum;  // [N_pad]
@@ -54,33 +62,35 @@ struct Int8GemmArgs {
   int64_t ldo;
 };
 
-// One row of x (K values) -> xq (K_pad bytes, padding zeroed), its scale and zero.
+// One row of x (K values) -> its high and low byte rows hi, lo (K_pad bytes each, padding
+// zeroed: the padding weights are zero) and its scale.
 template <class E>
-static inline __attribute__((always_inline)) void quantize_row_u8_t(
-    const typename E::T* x, int64_t K, int64_t K_pad, uint8_t* xq, float* scale, int32_t* zero) {
-  float lo = 0.f, hi = 0.f;
-#pragma omp simd reduction(min : lo) reduction(max : hi)
-  for (int64_t k = 0; k < K; ++k) {
-    const float v = E::load(x[k]);
-    lo = std::min(lo, v);
-    hi = std::max(hi, v);
-  }
-  float span = hi - lo;
-  if (!(span > 0.f)) span = 1.f;
-  const float inv = 255.f / span;
-  const float z = std::nearbyint(-lo * inv);
+static inline __attribute__((always_inline)) void quantize_row_i16_t(
+    const typename E::T* x, int64_t K, int64_t K_pad, uint8_t* hi, uint8_t* lo, float* scale) {
+  float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(E::load(x[k])));
+  if (!(amax > 0.f)) amax = 1.f;
+  const float inv = 32767.f / amax;
 #pragma omp simd
   for (int64_t k = 0; k < K; ++k) {
-    const float q = std::nearbyint(E::load(x[k]) * inv) + z;
-    xq[k] = static_cast<uint8_t>(std::min(255.f, std::max(0.f, q)));
+    const float q = std::min(32767.f, std::max(-32767.f, std::nearbyint(E::load(x[k]) * inv)));
+    const int32_t u = static_cast<int32_t>(q) + static_cast<int32_t>(kInt16Zero);
+    hi[k] = static_cast<uint8_t>(u >> 8);
+    lo[k] = static_cast<uint8_t>(u & 255);
   }
-  for (int64_t k = K; k < K_pad; ++k) xq[k] = 0;
-  *scale = span / 255.f;
-  *zero = static_cast<int32_t>(z);
+  for (int64_t k = K; k < K_pad; ++k) hi[k] = lo[k] = 0;
+  *scale = amax / 32767.f;
 }
 
-// The epilogue of rows [m0, m1) x panel p from their int32 sums c (kPanel a row): zero point,
-// scales, bias, store; the reference's float steps in its order.
+// An activation row's exact dot product from its byte rows' sums (wrapping-free in int64).
+static inline __attribute__((always_inline)) int64_t int16_dot(int32_t s_hi, int32_t s_lo,
+                                                               int32_t colsum) {
+  return 256 * int64_t{s_hi} + s_lo - kInt16Zero * int64_t{colsum};
+}
+
+// The epilogue of byte rows [m0, m1) (both even) x panel p from their int32 sums c (kPanel a
+// row): the rows' dot products, scales, bias, store; the reference's float steps in its order.
 template <class E>
 static inline __attribute__((always_inline)) void int8_epilogue_t(
     const Int8GemmArgs& a, int64_t m0, int64_t m1, int64_t p, const int32_t* c) {
@@ -88,18 +98,15 @@ static inline __attribute__((always_inline)) void int8_epilogue_t(
   const auto* bias = static_cast<const typename E::T*>(a.bias) + (a.bias ? n0 : 0);
   const float* ws = a.w_scale + n0;
   const int32_t* colsum = a.colsum + n0;
-  for (int64_t m = m0; m < m1; ++m) {
-    const int32_t* cr = c + (m - m0) * kPanel;
-    const int32_t zero = a.x_zero[m];
+  for (int64_t b = m0; b < m1; b += 2) {
+    const int32_t* ch = c + (b - m0) * kPanel;
+    const int32_t* cl = ch + kPanel;
+    const int64_t m = b / 2;
     const float xs = a.x_scale[m];
     float v[kPanel];
 #pragma omp simd
-    for (int64_t j = 0; j < valid; ++j) {
-      // Wrapping int32 arithmetic (as the vector code and torch's int32 ops compute it).
-      const uint32_t dot = static_cast<uint32_t>(cr[j]) -
-                           static_cast<uint32_t>(zero) * static_cast<uint32_t>(colsum[j]);
-      v[j] = static_cast<float>(static_cast<int32_t>(dot)) * xs * ws[j];
-    }
+    for (int64_t j = 0; j < valid; ++j)
+      v[j] = static_cast<float>(int16_dot(ch[j], cl[j], colsum[j])) * xs * ws[j];
     if (bias) {
 #pragma omp simd
       for (int64_t j = 0; j < valid; ++j) v[j] = v[j] + E::load(bias[j]);
@@ -126,9 +133,9 @@ static inline void prefetch_int8_epilogue(const Int8GemmArgs& a, int64_t p) {
 }
 
 #define PAGEDLLM_INT8_ROWS(E)                                                                 \
-  PAGEDLLM_CLONES static void quantize_row_u8(const E::T* x, int64_t K, int64_t K_pad,         \
-                                              uint8_t* xq, float* scale, int32_t* zero) {      \
-    quantize_row_u8_t<E>(x, K, K_pad, xq, scale, zero);                                       \
+  PAGEDLLM_CLONES static void quantize_row_i16(const E::T* x, int64_t K, int64_t K_pad,        \
+                                               uint8_t* hi, uint8_t* lo, float* scale) {      \
+    quantize_row_i16_t<E>(x, K, K_pad, hi, lo, scale);                                        \
   }                                                                                           \
   PAGEDLLM_CLONES static void int8_epilogue(const Int8GemmArgs& a, E, int64_t m0, int64_t m1,  \
                                             int64_t p, const int32_t* c) {                    \
@@ -191,9 +198,84 @@ PAGEDLLM_VNNI_TARGET static inline void micro_u8s8_dispatch(int64_t rows, const 
   }
 }
 
-// Rows [m0, m1) x panel p: K-chunks, 6-row tiles; the int32 sums land in c.
+// Whether a single activation row takes row_i16_vnni (below) rather than its two byte rows on
+// micro_u8s8: the same bits either way, a matter of which is faster on the CPU. On AMD Zen 5
+// a one-row int16 kernel drew SmolLM2's weights at 1.65-1.89x bf16's speed, against 1.42-1.69x
+// for two byte rows (scripts/int8_kernels_probe.py); on an AMX Xeon the byte rows were 1.25x
+// faster (their vpdpbusd work per weight is half; vpmovsxbw keeps the int16 kernel on one
+// port). Default: on AMD CPUs; build.py's cpu_ops() sets it from PAGEDLLM_CPU_INT8_ROW_WORDS
+// where given (the cpu_int8_row_words op), and the tests run both.
+static std::atomic<bool>& int8_row_words() {
+  static std::atomic<bool> on{static_cast<bool>(__builtin_cpu_is("amd"))};
+  return on;
+}
+
+// acc += int16 pairs of x . int16 pairs of w (vpdpwssd); inline assembly as dpbusd.
+PAGEDLLM_VNNI_TARGET static inline __m512i dpwssd(__m512i acc, __m512i x, __m512i w) {
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
+  return acc;
+}
+
+// One activation row (byte rows b, b + 1) x panel p as its int16 values x16 = u - 32768
+// against the weights widened to int16 (vpdpwssd): one multiply a weight instead of the byte
+// rows' two, the panel streamed once (decode, where a product is the weights' bytes; 1.09x
+// the two byte rows' products; which one runs: int8_row_words). The
+// exact dot products D come out as the byte rows' sums would: with T = D + 32768 colsum =
+// sum_k u q, S_hi = T >> 8 and S_lo = T & 255 (256 S_hi + S_lo = T; |S_hi| < 2^31 for K <=
+// 65536), so every epilogue takes them unchanged and the bits are the byte rows' bits.
+constexpr int64_t kI16Chunk = 128;  // k-quads a chunk: |lane| <= 2 * 128 * 32767 * 127 < 2^30
+PAGEDLLM_VNNI_TARGET static void row_i16_vnni(const Int8GemmArgs& a, int64_t b, int64_t p,
+                                              int32_t* c) {
+  const uint8_t* hi = a.xq + b * a.ldx;
+  const uint8_t* lo = hi + a.ldx;
+  const int8_t* panel = a.w + p * a.Kq * 4 * kPanel;
+  __m512i dot[8];  // int64: vector v holds outputs 8 v .. 8 v + 7
+  for (int v = 0; v < 8; ++v) dot[v] = _mm512_setzero_si512();
+  alignas(64) int16_t x16[4 * kI16Chunk];
+  for (int64_t kq0 = 0; kq0 < a.Kq; kq0 += kI16Chunk) {
+    const int64_t nkq = std::min(kI16Chunk, a.Kq - kq0), k0 = 4 * kq0;
+    for (int64_t t = 0; t < 4 * nkq; t += 32) {  // x16 = (hi << 8 | lo) ^ 0x8000
+      const int64_t left = 4 * nkq - t;  // a masked tail: the byte rows end at K_pad
+      const __mmask32 keep = left >= 32 ? ~__mmask32{0} : (__mmask32{1} << left) - 1;
+      const __m512i h = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(keep, hi + k0 + t));
+      const __m512i l = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(keep, lo + k0 + t));
+      _mm512_store_si512(x16 + t, _mm512_xor_si512(_mm512_or_si512(_mm512_slli_epi16(h, 8), l),
+                                                   _mm512_set1_epi16(-32768)));
+    }
+    __m512i acc[8];
+    for (int v = 0; v < 8; ++v) acc[v] = _mm512_setzero_si512();
+    for (int64_t kq = 0; kq < nkq; ++kq) {
+      int64_t quad;
+      std::memcpy(&quad, x16 + 4 * kq, 8);
+      const __m512i xb = _mm512_set1_epi64(quad);  // lanes: (x0, x1), (x2, x3), ...
+      const int8_t* wk = panel + (kq0 + kq) * 4 * kPanel;
+#pragma GCC unroll 8
+      for (int v = 0; v < 8; ++v) {  // 8 outputs x 4 weights: lanes 2 i (k0, k1), 2 i + 1
+        const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 32 * v)));
+        acc[v] = dpwssd(acc[v], xb, wv);
+      }
+    }
+    for (int v = 0; v < 8; ++v)  // each output's two lanes, sign-extended, into its int64
+      dot[v] = _mm512_add_epi64(dot[v], _mm512_add_epi64(_mm512_srai_epi64(acc[v], 32),
+                                                         _mm512_srai_epi64(_mm512_slli_epi64(acc[v], 32), 32)));
+  }
+  for (int v = 0; v < 8; ++v) {
+    const __m512i t = _mm512_add_epi64(
+        dot[v], _mm512_slli_epi64(_mm512_cvtepi32_epi64(_mm256_loadu_si256(
+                                      reinterpret_cast<const __m256i*>(a.colsum + p * kPanel + 8 * v))),
+                                  15));  // + 32768 colsum
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + 8 * v), _mm512_cvtepi64_epi32(_mm512_srai_epi64(t, 8)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + kPanel + 8 * v),
+                        _mm512_cvtepi64_epi32(_mm512_and_si512(t, _mm512_set1_epi64(255))));
+  }
+}
+
+// Rows [m0, m1) x panel p: K-chunks, 6-row tiles; the int32 sums land in c. A single
+// activation row (two byte rows) takes row_i16_vnni.
 PAGEDLLM_VNNI_TARGET static void gemm_int8_sums_vnni(const Int8GemmArgs& a, int64_t m0,
                                                      int64_t m1, int64_t p, int32_t* c) {
+  if (m1 - m0 == 2 && int8_row_words().load(std::memory_order_relaxed))
+    return row_i16_vnni(a, m0, p, c);
   for (int64_t kq0 = 0; kq0 < a.Kq; kq0 += kQuadChunk) {
     const int64_t nkq = std::min(kQuadChunk, a.Kq - kq0);
     const int8_t* panel = a.w + (p * a.Kq + kq0) * 4 * kPanel;

@@ -9,7 +9,7 @@
 // its own (~15% of a prefill's MLP time at 1.3 ns a row element).
 //
 // int8 weights (gemm_int8.h, AVX512-VNNI, bf16 activations) pair their panels the same way:
-// the epilogue computes both sums' values as int8_epilogue does (zero point, scales, bias),
+// the epilogue computes both sums' values as int8_epilogue does (dot products, scales, bias),
 // then rounds and applies SiLU x mul as above, so again the bits of the two ops. A decode
 // step saves silu_and_mul's pass and its [M, 2 I] intermediate (~2.5 us a layer on SmolLM2).
 #pragma once
@@ -73,30 +73,43 @@ PAGEDLLM_AMX_TARGET static void gemm_silu_item_amx(const GemmArgs& a, int64_t m0
   }
 }
 
-// int8: one projection value per lane of columns n .. n + 15 of row m from their int32 sums
-// c, as int8_epilogue_t computes it (wrapping zero-point product, x scale, w scale, bias).
+// int8: one projection value per lane of columns n .. n + 15 of activation row m from its
+// byte rows' int32 sums ch, cl, as int8_epilogue_t computes it (the int64 dot product, x
+// scale, w scale, bias).
+PAGEDLLM_BF16_TARGET static inline __m512i wide8(const int32_t* v) {  // 8 int32 -> int64
+  return _mm512_cvtepi32_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v)));
+}
 PAGEDLLM_BF16_TARGET static inline __m512 int8_value16(const Int8GemmArgs& a, int64_t m, int64_t n,
-                                                      const int32_t* c) {
-  const __m512i dot = _mm512_sub_epi32(
-      _mm512_loadu_si512(c), _mm512_mullo_epi32(_mm512_set1_epi32(a.x_zero[m]),
-                                                _mm512_loadu_si512(a.colsum + n)));
-  __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(a.x_scale[m])),
+                                                      const int32_t* ch, const int32_t* cl) {
+  __m256 half[2];
+  for (int h = 0; h < 2; ++h) {
+    const int64_t o = 8 * h;
+    const __m512i dot = _mm512_sub_epi64(
+        _mm512_add_epi64(_mm512_slli_epi64(wide8(ch + o), 8), wide8(cl + o)),
+        _mm512_slli_epi64(wide8(a.colsum + n + o), 15));  // 32768 colsum
+    half[h] = _mm512_cvtepi64_ps(dot);
+  }
+  const __m512 d = _mm512_insertf32x8(_mm512_castps256_ps512(half[0]), half[1], 1);
+  __m512 v = _mm512_mul_ps(_mm512_mul_ps(d, _mm512_set1_ps(a.x_scale[m])),
                            _mm512_loadu_ps(a.w_scale + n));
   if (a.bias) v = _mm512_add_ps(v, load16(static_cast<const uint16_t*>(a.bias) + n));
   return v;
 }
 
-// Rows [m0, m1) of output panel p from the gate and up int32 sums cg, cu (kPanel a row).
+// Byte rows [m0, m1) (both even) of output panel p from the gate and up int32 sums cg, cu
+// (kPanel a row).
 PAGEDLLM_BF16_TARGET static void int8_silu_epilogue(const Int8GemmArgs& a, int64_t m0, int64_t m1,
                                                     int64_t p, const int32_t* cg,
                                                     const int32_t* cu) {
+  static_assert(kInt16Zero == 1 << 15, "int8_value16 shifts colsum by 15");
   const int64_t n0 = p * kPanel, half = a.N / 2;
-  for (int64_t m = m0; m < m1; ++m) {
+  for (int64_t b = m0; b < m1; b += 2) {
+    const int64_t m = b / 2;
     uint16_t* out = static_cast<uint16_t*>(a.out) + m * a.ldo + n0;
     for (int64_t j = 0; j < kPanel; j += 16) {
-      const int64_t r = (m - m0) * kPanel + j;
-      const __m512 g = int8_value16(a, m, n0 + j, cg + r);
-      const __m512 u = int8_value16(a, m, half + n0 + j, cu + r);
+      const int64_t r = (b - m0) * kPanel + j;
+      const __m512 g = int8_value16(a, m, n0 + j, cg + r, cg + r + kPanel);
+      const __m512 u = int8_value16(a, m, half + n0 + j, cu + r, cu + r + kPanel);
       store16(out + j, silu_mul16(round16(g), round16(u)));
     }
   }

@@ -81,7 +81,7 @@ class ThreadScratch {
 };
 
 // Tags of ThreadScratch's buffers.
-enum ScratchTag { kGemmAccScratch, kInt8XqScratch, kInt8ScaleScratch, kInt8ZeroScratch,
+enum ScratchTag { kGemmAccScratch, kInt8XqScratch, kInt8ScaleScratch,
                   kDecodeAttnScratch, kNormScratch };
 
 // The panel GEMMs' work on ATen's threads: item(m0, m1, p, c) for every (row block, panel)
@@ -329,12 +329,12 @@ at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& w, const c10::opti
 
 bool cpu_has_avx512_vnni() { return __builtin_cpu_supports("avx512vnni"); }
 
-// An int8 product's inputs: x's rows (bf16 or fp32) quantized to uint8 (gemm_int8.h), on
-// ATen's threads, and the kernel's arguments for n outputs into out (checked first).
+// An int8 product's inputs: x's rows (bf16 or fp32) quantized to 16 bits, each as its two
+// byte rows (gemm_int8.h), on ATen's threads, and the kernel's arguments for n outputs into
+// out (checked first).
 struct Int8Inputs {
   ThreadScratch<uint8_t, kInt8XqScratch> xq;
   ThreadScratch<float, kInt8ScaleScratch> x_scale;
-  ThreadScratch<int32_t, kInt8ZeroScratch> x_zero;
   Int8GemmArgs a;
 };
 
@@ -354,27 +354,31 @@ Int8Inputs int8_inputs(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == n, "bias: [N]");
   }
   const int64_t Kq = w.size(1), K_pad = 4 * Kq;
-  Int8Inputs in{ThreadScratch<uint8_t, kInt8XqScratch>(M * K_pad),
-                ThreadScratch<float, kInt8ScaleScratch>(M), ThreadScratch<int32_t, kInt8ZeroScratch>(M),
-                {}};
+  Int8Inputs in{ThreadScratch<uint8_t, kInt8XqScratch>(2 * M * K_pad),
+                ThreadScratch<float, kInt8ScaleScratch>(M), {}};
   uint8_t* xq = in.xq.get();
   float* x_scale = in.x_scale.get();
-  int32_t* x_zero = in.x_zero.get();
-  in.a = Int8GemmArgs{xq, x_scale, x_zero, M, Kq, K_pad, w.data_ptr<int8_t>(),
+  in.a = Int8GemmArgs{xq, x_scale, 2 * M, Kq, K_pad, w.data_ptr<int8_t>(),
                       w_scale.data_ptr<float>(), colsum.data_ptr<int32_t>(),
                       bias ? bias->data_ptr() : nullptr, n, out.data_ptr(), out_fp32, out.stride(0)};
   by_dtype(x, "x", [&]<class E>() {
     at::parallel_for(0, M, row_grain(K), [&](int64_t b, int64_t e) {
-      for (int64_t m = b; m < e; ++m)
-        quantize_row_u8(data<E>(x) + m * x.stride(0), K, K_pad, xq + m * K_pad, x_scale + m,
-                        x_zero + m);
+      for (int64_t m = b; m < e; ++m) {
+        uint8_t* hi = xq + 2 * m * K_pad;
+        quantize_row_i16(data<E>(x) + m * x.stride(0), K, K_pad, hi, hi + K_pad, x_scale + m);
+      }
     });
   });
   return in;
 }
 
-// y = W8A8(x, w): rows of x (bf16 or fp32) quantized to uint8 on the fly (gemm_int8.h), on
-// the AVX512-VNNI kernel or else the AVX2 one; the result in fp32 (out_fp32) or x's dtype.
+// Whether an int8 product of M rows runs on AMX tiles (as a bf16 one of M rows: a single row,
+// two byte rows, streams its weights as fast on the VNNI kernel).
+bool int8_use_amx(int64_t M) { return use_amx(M); }
+
+// y = W8A16(x, w): rows of x (bf16 or fp32) quantized to int16 on the fly (gemm_int8.h), on
+// AMX tiles, the AVX512-VNNI kernel or else the AVX2 one; the result in fp32 (out_fp32) or
+// x's dtype.
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale,
                        const at::Tensor& colsum, const c10::optional<at::Tensor>& bias, int64_t n,
                        bool out_fp32, at::Tensor* into = nullptr) {
@@ -388,14 +392,14 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const Int8GemmArgs& a = in.a;
   const int64_t K_pad = a.ldx;
   by_dtype(x, "x", [&]<class E>() {
-    if (use_amx(M)) {
-      for_amx_items<int32_t>(M, n, K_pad, [&](int64_t m0, int64_t m1, int64_t p, int32_t* c, int64_t next_p) {
+    if (int8_use_amx(M)) {
+      for_amx_items<int32_t>(a.M, n, K_pad, [&](int64_t m0, int64_t m1, int64_t p, int32_t* c, int64_t next_p) {
         gemm_int8_sums_amx(a, m0, m1, p, c, next_p, [&](int64_t r0, int64_t r1, const int32_t* cr) {
           int8_epilogue(a, E{}, r0, r1, p, cr);
         });
       });
     } else {
-      for_panel_items<int32_t>(M, n, K_pad * kPanel, [&](int64_t m0, int64_t m1, int64_t p, int32_t* c) {
+      for_panel_items<int32_t>(a.M, n, K_pad * kPanel, [&](int64_t m0, int64_t m1, int64_t p, int32_t* c) {
         prefetch_int8_epilogue(a, p);
         if (vnni)
           gemm_int8_sums_vnni(a, m0, m1, p, c);
@@ -412,7 +416,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 // without AMX tiles (AMX products of many rows keep the two ops), n = 2 x a multiple of 64.
 bool int8_silu_fusable(const at::Tensor& x, int64_t n) {
   return x.scalar_type() == at::kBFloat16 && cpu_has_avx512_vnni() && cpu_has_avx512_bf16() &&
-         n % (2 * kPanel) == 0 && !use_amx(x.size(0));
+         n % (2 * kPanel) == 0 && !int8_use_amx(x.size(0));
 }
 
 // silu_and_mul(linear_int8(x, w, ...)) in one pass (gemm_silu.h): the same bits as the two
@@ -426,7 +430,7 @@ at::Tensor linear_int8_silu_mul(const at::Tensor& x, const at::Tensor& w, const 
   at::Tensor out = at::empty({M, n / 2}, x.options());
   if (M == 0) return out;
   const Int8Inputs in = int8_inputs(x, w, w_scale, colsum, bias, n, out, false);
-  for_panel_items<int32_t>(M, n / 2, 2 * K_pad * kPanel, [&](int64_t m0, int64_t m1, int64_t p, int32_t* c) {
+  for_panel_items<int32_t>(in.a.M, n / 2, 2 * K_pad * kPanel, [&](int64_t m0, int64_t m1, int64_t p, int32_t* c) {
     gemm_int8_silu_item(in.a, m0, m1, p, c);
   });
   return out;
@@ -944,6 +948,10 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def("cpu_has_avx512_vnni() -> bool", &pagedllm::cpu_has_avx512_vnni);
   m.def("cpu_has_avx2_fma() -> bool", &pagedllm::cpu_has_avx2_fma);
   m.def("cpu_has_amx() -> bool", &pagedllm::amx_usable);
+  m.def("cpu_int8_row_words(bool? use) -> bool", [](c10::optional<bool> use) {
+    if (use) pagedllm::int8_row_words().store(*use, std::memory_order_relaxed);
+    return pagedllm::int8_row_words().load(std::memory_order_relaxed);
+  });
   m.def("cpu_allow_amx(bool allowed) -> ()",
         [](bool allowed) { pagedllm::amx_allowed().store(allowed, std::memory_order_relaxed); });
   // GEMMs: CPU kernels (not catch-alls) so that build.py can give them fakes for torch.compile.
