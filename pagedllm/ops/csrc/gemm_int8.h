@@ -201,10 +201,12 @@ PAGEDLLM_VNNI_TARGET static inline void micro_u8s8_dispatch(int64_t rows, const 
 // Whether a single activation row takes row_i16_vnni (below) rather than its two byte rows on
 // micro_u8s8: the same bits either way, a matter of which is faster on the CPU. On AMD Zen 5
 // a one-row int16 kernel drew SmolLM2's weights at 1.65-1.89x bf16's speed, against 1.42-1.69x
-// for two byte rows (scripts/int8_kernels_probe.py); on an AMX Xeon the byte rows were 1.25x
-// faster (their vpdpbusd work per weight is half; vpmovsxbw keeps the int16 kernel on one
-// port). Default: on AMD CPUs; build.py's cpu_ops() sets it from PAGEDLLM_CPU_INT8_ROW_WORDS
-// where given (the cpu_int8_row_words op), and the tests run both.
+// for two byte rows (scripts/int8_kernels_probe.py's kernel, which this one follows); on an
+// AMX Xeon the byte rows were 1.17x faster than this kernel. A software prefetch of the panel
+// brought it level with them there, but on Zen 4 such prefetches cost a one-row product a
+// third of its bandwidth (BENCHMARKS.md), so it has none. Default: on AMD CPUs; build.py's
+// cpu_ops() sets it from PAGEDLLM_CPU_INT8_ROW_WORDS where given (the cpu_int8_row_words op),
+// and the tests run both.
 static std::atomic<bool>& int8_row_words() {
   static std::atomic<bool> on{static_cast<bool>(__builtin_cpu_is("amd"))};
   return on;
