@@ -17,9 +17,10 @@ whole: the layers' plain weights are replaced before loading, while still unwrit
 At run time each row of the input is quantized to int16 over its own largest magnitude
 (`quantize_activations`) and multiplied in exact integer arithmetic (`int8_linear`, the
 reference; the native kernel, `pagedllm/ops/csrc/gemm_int8.h`, computes the same numbers on
-AMX tiles, with AVX512-VNNI, or with AVX2 on CPUs without it). A row's result depends on that row alone. A
-tied LM head keeps its table unquantized (the embedding reads it as rows) and, where the int8
-kernel runs, multiplies the logits with an int8 copy of it (`VocabParallelEmbedding`).
+AMX tiles, with AVX512-VNNI, or with AVX2 on CPUs without it). A row's result depends on that
+row alone. A tied LM head keeps its table unquantized (the embedding reads it as rows) and,
+where the int8 kernel runs, multiplies the logits with an int8 copy of it
+(`VocabParallelEmbedding`).
 """
 
 from __future__ import annotations

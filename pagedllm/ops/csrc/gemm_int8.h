@@ -220,9 +220,8 @@ PAGEDLLM_VNNI_TARGET static inline __m512i dpwssd(__m512i acc, __m512i x, __m512
 
 // One activation row (byte rows b, b + 1) x panel p as its int16 values x16 = u - 32768
 // against the weights widened to int16 (vpdpwssd): one multiply a weight instead of the byte
-// rows' two, the panel streamed once (decode, where a product is the weights' bytes; 1.09x
-// the two byte rows' products; which one runs: int8_row_words). The
-// exact dot products D come out as the byte rows' sums would: with T = D + 32768 colsum =
+// rows' two, the panel streamed once (which of the two runs: int8_row_words). The exact dot
+// products D come out as the byte rows' sums would: with T = D + 32768 colsum =
 // sum_k u q, S_hi = T >> 8 and S_lo = T & 255 (256 S_hi + S_lo = T; |S_hi| < 2^31 for K <=
 // 65536), so every epilogue takes them unchanged and the bits are the byte rows' bits.
 constexpr int64_t kI16Chunk = 128;  // k-quads a chunk: |lane| <= 2 * 128 * 32767 * 127 < 2^30

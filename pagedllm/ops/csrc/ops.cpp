@@ -372,10 +372,6 @@ Int8Inputs int8_inputs(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return in;
 }
 
-// Whether an int8 product of M rows runs on AMX tiles (as a bf16 one of M rows: a single row,
-// two byte rows, streams its weights as fast on the VNNI kernel).
-bool int8_use_amx(int64_t M) { return use_amx(M); }
-
 // y = W8A16(x, w): rows of x (bf16 or fp32) quantized to int16 on the fly (gemm_int8.h), on
 // AMX tiles, the AVX512-VNNI kernel or else the AVX2 one; the result in fp32 (out_fp32) or
 // x's dtype.
@@ -392,7 +388,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const Int8GemmArgs& a = in.a;
   const int64_t K_pad = a.ldx;
   by_dtype(x, "x", [&]<class E>() {
-    if (int8_use_amx(M)) {
+    if (use_amx(M)) {  // by activation rows: one row (two byte rows) stays on VNNI
       for_amx_items<int32_t>(a.M, n, K_pad, [&](int64_t m0, int64_t m1, int64_t p, int32_t* c, int64_t next_p) {
         gemm_int8_sums_amx(a, m0, m1, p, c, next_p, [&](int64_t r0, int64_t r1, const int32_t* cr) {
           int8_epilogue(a, E{}, r0, r1, p, cr);
@@ -416,7 +412,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 // without AMX tiles (AMX products of many rows keep the two ops), n = 2 x a multiple of 64.
 bool int8_silu_fusable(const at::Tensor& x, int64_t n) {
   return x.scalar_type() == at::kBFloat16 && cpu_has_avx512_vnni() && cpu_has_avx512_bf16() &&
-         n % (2 * kPanel) == 0 && !int8_use_amx(x.size(0));
+         n % (2 * kPanel) == 0 && !use_amx(x.size(0));
 }
 
 // silu_and_mul(linear_int8(x, w, ...)) in one pass (gemm_silu.h): the same bits as the two
