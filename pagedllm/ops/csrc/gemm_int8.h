@@ -202,11 +202,13 @@ PAGEDLLM_VNNI_TARGET static inline void micro_u8s8_dispatch(int64_t rows, const 
 // micro_u8s8: the same bits either way, a matter of which is faster on the CPU. On AMD Zen 5
 // a one-row int16 kernel drew SmolLM2's weights at 1.65-1.89x bf16's speed, against 1.42-1.69x
 // for two byte rows (scripts/int8_kernels_probe.py's kernel, which this one follows); on an
-// AMX Xeon the byte rows were 1.17x faster than this kernel. A software prefetch of the panel
-// brought it level with them there, but on Zen 4 such prefetches cost a one-row product a
-// third of its bandwidth (BENCHMARKS.md), so it has none. Default: on AMD CPUs; build.py's
-// cpu_ops() sets it from PAGEDLLM_CPU_INT8_ROW_WORDS where given (the cpu_int8_row_words op),
-// and the tests run both.
+// AMX Xeon the byte rows were 1.1-1.25x faster than this kernel. A software prefetch of the
+// panel brought it level with them there, but on Zen 4 such prefetches cost a one-row product
+// a third of its bandwidth (BENCHMARKS.md), so it has none. An int8 model's loading times both
+// on its weights and keeps the faster (layers/cpu_gemm.py's choose_int8_row_kernel, through
+// the cpu_int8_row_words op), unless PAGEDLLM_CPU_INT8_ROW_WORDS names one (build.py's
+// cpu_ops()); before that, and for products outside an engine: words on AMD CPUs. The tests
+// run both.
 static std::atomic<bool>& int8_row_words() {
   static std::atomic<bool> on{static_cast<bool>(__builtin_cpu_is("amd"))};
   return on;
