@@ -43,9 +43,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -245,67 +242,3 @@ def _linear_2d(
     else:
         y = F.linear(flat, module.weight, bias)
     return y.to(out_dtype or flat.dtype)
-
-
-# ---- the one-row int8 kernel, chosen by measurement --------------------------------------
-
-# Alternated passes of each one-row int8 kernel over the model's int8 weights (one pass: every
-# weight once, as a decode step reads them; SmolLM2-135M: ~135 MB, 5-7 ms on 2 vCPUs).
-_ROW_KERNEL_ROUNDS = 5
-
-
-def choose_int8_row_kernel(model: torch.nn.Module, rounds: int = _ROW_KERNEL_ROUNDS) -> bool | None:
-    """Time a single activation row's product on every int8 panel weight of `model` under
-    both of the AVX512-VNNI one-row kernels (int16 words on vpdpwssd, or two byte rows on
-    vpdpbusd: the same bits, gemm_int8.h's int8_row_words), alternated round by round, and
-    keep the faster for this process. Which is faster depends on the CPU (AMD Zen 5 ran the
-    words kernel 1.1-1.2x faster in a probe, an AMX Xeon the byte rows 1.1x, BENCHMARKS.md),
-    and a decode step is little else. Returns the choice (True: words), or None where there
-    is none to make: no int8 panel weights, no AVX512-VNNI, or PAGEDLLM_CPU_INT8_ROW_WORDS
-    set (the user's choice stands)."""
-    ops = cpu_ops()
-    if (
-        ops is None
-        or os.environ.get("PAGEDLLM_CPU_INT8_ROW_WORDS")
-        or not ops.cpu_has_avx512_vnni()
-    ):
-        return None
-    modules = [m for m in model.modules() if getattr(m, "cpu_gemm", None) == "int8"]
-    if not modules:
-        return None
-    rows = {}
-    for m in modules:
-        k = m.weight_panels.shape[1] * 4
-        if k not in rows:
-            dtype = getattr(m, "activation_dtype", m.weight.dtype)
-            rows[k] = torch.randn(1, k, generator=torch.Generator().manual_seed(k)).to(dtype)
-
-    def one_pass() -> float:
-        start = time.perf_counter()
-        for m in modules:
-            _linear_2d(m, rows[m.weight_panels.shape[1] * 4], None, None)
-        return time.perf_counter() - start
-
-    default = ops.cpu_int8_row_words(None)
-    seconds: dict[bool, list[float]] = {True: [], False: []}
-    with torch.inference_mode():
-        for words in (True, False):  # warm-up: the code, the buffers
-            ops.cpu_int8_row_words(words)
-            one_pass()
-        for _ in range(rounds):
-            for words in (default, not default):
-                ops.cpu_int8_row_words(words)
-                seconds[words].append(one_pass())
-    # The median of the per-round ratios: a machine whose speed drifts moves both alike.
-    ratio = statistics.median(b / w for w, b in zip(seconds[True], seconds[False]))
-    words = ratio > 1.0
-    ops.cpu_int8_row_words(words)
-    logger.info(
-        "int8 one-row products: int16 words %.2f ms, byte rows %.2f ms a pass over the weights "
-        "(medians of %d); taking %s",
-        statistics.median(seconds[True]) * 1e3,
-        statistics.median(seconds[False]) * 1e3,
-        rounds,
-        "words" if words else "byte rows",
-    )
-    return words

@@ -130,8 +130,7 @@ def cpu_ops() -> Any | None:
     # PAGEDLLM_CPU_AMX=0: the AVX-512 kernels even where the CPU has AMX tiles.
     torch.ops.pagedllm.cpu_allow_amx(env_flag("PAGEDLLM_CPU_AMX", True))
     # PAGEDLLM_CPU_INT8_ROW_WORDS=1/0: a one-row int8 product as int16 words or as two byte
-    # rows (the same bits; without it an int8 model's loading times both and keeps the faster,
-    # cpu_gemm.choose_int8_row_kernel; until then gemm_int8.h's int8_row_words default).
+    # rows (the same bits; gemm_int8.h's int8_row_words: byte rows by default).
     if os.environ.get("PAGEDLLM_CPU_INT8_ROW_WORDS"):
         torch.ops.pagedllm.cpu_int8_row_words(env_flag("PAGEDLLM_CPU_INT8_ROW_WORDS", False))
     _register_fake_gemm()

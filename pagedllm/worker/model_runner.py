@@ -45,7 +45,6 @@ from pagedllm.distributed.kv_transfer.base import (
 from pagedllm.distributed.kv_transfer.factory import KVConnectorFactory
 from pagedllm.distributed.kv_transfer.kv_blocks import kv_block_dim
 from pagedllm.layers.batch_invariant import make_batch_invariant_, reseed_for_token
-from pagedllm.layers.cpu_gemm import choose_int8_row_kernel
 from pagedllm.layers.cpu_memory import HugePageMove
 from pagedllm.models.loader import get_model, weight_huge_pages
 from pagedllm.models.pipeline import IntermediateTensors
@@ -157,8 +156,6 @@ class ModelRunner:
 
     def load_model(self) -> None:
         self.model = get_model(self.config)
-        if self.device.type == "cpu":  # int8 weights: the faster one-row kernel on this CPU
-            choose_int8_row_kernel(self.model)
         if weight_huge_pages(self.device):
             self.weight_move = HugePageMove(self.model)
         compile_model(self.model, self.config.compilation_config)

@@ -4,16 +4,13 @@ engine's `quantization="int8"` (greedy agreement with bf16 on a trained model)."
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers import cpu_gemm
 from pagedllm.layers import linear as linear_mod
-from pagedllm.layers.cpu_gemm import choose_int8_row_kernel, from_panels, packed_linear
+from pagedllm.layers.cpu_gemm import from_panels, packed_linear
 from pagedllm.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -169,48 +166,6 @@ def test_int8_panel_kernel_equals_the_reference(dtype, monkeypatch):
     _, ref = _int8_outputs(x, False, monkeypatch)
     for name in ref:
         assert torch.equal(fast[name], ref[name]), name
-
-
-@pytest.mark.parametrize("slow", [True, False])
-def test_the_faster_one_row_kernel_is_kept(slow, monkeypatch):
-    """choose_int8_row_kernel times both one-row kernels on the model's int8 weights and keeps
-    the faster: here whichever `slow` is not, made 2 ms a product slower."""
-    ops = cpu_ops()
-    if ops is None or not ops.cpu_has_avx512_vnni():
-        pytest.skip("one kernel only without AVX512-VNNI")
-    monkeypatch.delenv("PAGEDLLM_CPU_INT8_ROW_WORDS", raising=False)
-    model, _ = _int8_outputs(torch.randn(1, 64), True, monkeypatch)
-    calls = []
-    real = cpu_gemm._linear_2d
-
-    def timed(module, flat, bias, out_dtype):
-        calls.append(flat.shape[0])
-        if ops.cpu_int8_row_words(None) == slow:
-            time.sleep(0.002)
-        return real(module, flat, bias, out_dtype)
-
-    monkeypatch.setattr(cpu_gemm, "_linear_2d", timed)
-    default = ops.cpu_int8_row_words(None)
-    try:
-        assert choose_int8_row_kernel(model, rounds=3) is (not slow)
-        assert ops.cpu_int8_row_words(None) is (not slow)
-    finally:
-        ops.cpu_int8_row_words(default)
-    assert set(calls) == {1} and len(calls) == len(model) * 2 * (1 + 3)
-
-
-def test_the_one_row_kernel_named_by_the_environment_stands(monkeypatch):
-    """PAGEDLLM_CPU_INT8_ROW_WORDS set: no timing, the kernel it names stays."""
-    ops = cpu_ops()
-    if ops is None or not ops.cpu_has_avx512_vnni():
-        pytest.skip("one kernel only without AVX512-VNNI")
-    monkeypatch.delenv("PAGEDLLM_CPU_INT8_ROW_WORDS", raising=False)
-    assert choose_int8_row_kernel(nn.Linear(4, 4)) is None  # no int8 weights: nothing to time
-    model, _ = _int8_outputs(torch.randn(1, 64), True, monkeypatch)
-    monkeypatch.setenv("PAGEDLLM_CPU_INT8_ROW_WORDS", "1")
-    before = ops.cpu_int8_row_words(None)
-    assert choose_int8_row_kernel(model) is None
-    assert ops.cpu_int8_row_words(None) == before
 
 
 def test_tied_lm_head_multiplies_an_int8_copy_and_looks_up_its_table():

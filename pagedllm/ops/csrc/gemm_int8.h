@@ -83,6 +83,42 @@ static inline __attribute__((always_inline)) void quantize_row_i16_t(
   *scale = amax / 32767.f;
 }
 
+// quantize_row_i16_t on 16 lanes at a time (AVX-512): the same float steps (an IEEE division
+// for inv, x * inv rounded half to even, the clamp), so the same bytes. GCC leaves the scalar
+// loop unvectorized (nearbyint and the two byte stores): ~3 us for a 1,536-wide row, where a
+// batch-1 decode step of SmolLM2 quantizes 121 rows (~0.25 ms of a ~5 ms int8 step).
+PAGEDLLM_AVX512_TARGET static inline __m512 load_row16(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+PAGEDLLM_AVX512_TARGET static inline __m512 load_row16(const float* p, __mmask16 m) {
+  return _mm512_maskz_loadu_ps(m, p);
+}
+template <class V>
+PAGEDLLM_AVX512_TARGET static void quantize_row_i16_avx512(const V* x, int64_t K, int64_t K_pad,
+                                                           uint8_t* hi, uint8_t* lo, float* scale) {
+  const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  __m512 vmax = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16)  // a NaN lane keeps vmax (max_ps returns its second operand)
+    vmax = _mm512_max_ps(_mm512_and_ps(load_row16(x + k, lanes16(k, K)), magnitude), vmax);
+  float amax = _mm512_reduce_max_ps(vmax);
+  if (!(amax > 0.f)) amax = 1.f;
+  const __m512 inv = _mm512_set1_ps(32767.f / amax);
+  const __m512 top = _mm512_set1_ps(32767.f), bottom = _mm512_set1_ps(-32767.f);
+  const __m512i zero = _mm512_set1_epi32(static_cast<int32_t>(kInt16Zero));
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 m = lanes16(k, K);
+    const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(load_row16(x + k, m), inv),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    // A NaN lane becomes -32767, as std::max(-32767.f, NaN) in the scalar loop.
+    const __m512 q = _mm512_min_ps(_mm512_max_ps(r, bottom), top);
+    const __m512i u = _mm512_add_epi32(_mm512_cvtps_epi32(q), zero);
+    _mm_mask_storeu_epi8(hi + k, m, _mm512_cvtepi32_epi8(_mm512_srli_epi32(u, 8)));
+    _mm_mask_storeu_epi8(lo + k, m, _mm512_cvtepi32_epi8(u));
+  }
+  for (int64_t k = K; k < K_pad; ++k) hi[k] = lo[k] = 0;
+  *scale = amax / 32767.f;
+}
+
 // An activation row's exact dot product from its byte rows' sums (wrapping-free in int64).
 static inline __attribute__((always_inline)) int64_t int16_dot(int32_t s_hi, int32_t s_lo,
                                                                int32_t colsum) {
@@ -199,18 +235,16 @@ PAGEDLLM_VNNI_TARGET static inline void micro_u8s8_dispatch(int64_t rows, const 
 }
 
 // Whether a single activation row takes row_i16_vnni (below) rather than its two byte rows on
-// micro_u8s8: the same bits either way, a matter of which is faster on the CPU. On AMD Zen 5
-// a one-row int16 kernel drew SmolLM2's weights at 1.65-1.89x bf16's speed, against 1.42-1.69x
-// for two byte rows (scripts/int8_kernels_probe.py's kernel, which this one follows); on an
-// AMX Xeon the byte rows were 1.1-1.25x faster than this kernel. A software prefetch of the
-// panel brought it level with them there, but on Zen 4 such prefetches cost a one-row product
-// a third of its bandwidth (BENCHMARKS.md), so it has none. An int8 model's loading times both
-// on its weights and keeps the faster (layers/cpu_gemm.py's choose_int8_row_kernel, through
-// the cpu_int8_row_words op), unless PAGEDLLM_CPU_INT8_ROW_WORDS names one (build.py's
-// cpu_ops()); before that, and for products outside an engine: words on AMD CPUs. The tests
-// run both.
+// micro_u8s8: the same bits either way. Off by default: with the engine's kernels the byte
+// rows were the faster on both kinds of CPU measured, an AMX Xeon (1.2-1.3x a pass over
+// SmolLM2's weights) and AMD Zen 5 (1.15-1.4x a product, BENCHMARKS.md), although on Zen 5 a
+// leaner vpdpwssd probe kernel (scripts/int8_kernels_probe.py) once beat them. A software
+// prefetch of the panel brought this kernel level with the byte rows on the Xeon, but on Zen 4
+// such prefetches cost a one-row product a third of its bandwidth, so it has none.
+// PAGEDLLM_CPU_INT8_ROW_WORDS=1 turns it on (build.py's cpu_ops(), through the
+// cpu_int8_row_words op); the tests run both.
 static std::atomic<bool>& int8_row_words() {
-  static std::atomic<bool> on{static_cast<bool>(__builtin_cpu_is("amd"))};
+  static std::atomic<bool> on{false};
   return on;
 }
 

@@ -361,11 +361,16 @@ Int8Inputs int8_inputs(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   in.a = Int8GemmArgs{xq, x_scale, 2 * M, Kq, K_pad, w.data_ptr<int8_t>(),
                       w_scale.data_ptr<float>(), colsum.data_ptr<int32_t>(),
                       bias ? bias->data_ptr() : nullptr, n, out.data_ptr(), out_fp32, out.stride(0)};
+  const bool avx512 = cpu_has_avx512();
   by_dtype(x, "x", [&]<class E>() {
     at::parallel_for(0, M, row_grain(K), [&](int64_t b, int64_t e) {
       for (int64_t m = b; m < e; ++m) {
         uint8_t* hi = xq + 2 * m * K_pad;
-        quantize_row_i16(data<E>(x) + m * x.stride(0), K, K_pad, hi, hi + K_pad, x_scale + m);
+        const typename E::T* row = data<E>(x) + m * x.stride(0);
+        if (avx512)
+          quantize_row_i16_avx512(row, K, K_pad, hi, hi + K_pad, x_scale + m);
+        else
+          quantize_row_i16(row, K, K_pad, hi, hi + K_pad, x_scale + m);
       }
     });
   });
