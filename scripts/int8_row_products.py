@@ -13,19 +13,18 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from pagedllm.layers.cpu_gemm import to_panels
 from pagedllm.ops import cpu_ops
 
-SHAPES = {  # name: (n, k)
-    "qkv": (960, 576),
-    "o": (576, 576),
-    "gate_up": (3072, 576),
-    "down": (576, 1536),
-    "head": (49152, 576),
-}
+sys.path.insert(0, str(Path(__file__).parent))
+from cpu_projections import SHAPES as PROJECTIONS  # noqa: E402
+
+# name: (n, k): cpu_projections.py's four projections (QKV, O, gate / up, down) and the LM head
+SHAPES = dict(zip(("qkv", "o", "gate_up", "down"), PROJECTIONS)) | {"head": (49152, 576)}
 KINDS = ("bf16", "words", "bytes")
 
 

@@ -165,14 +165,19 @@ PAGEDLLM_AVX512_TARGET static inline __m512 exp16(__m512 x) {
 // AVX512-BF16 helpers, load8 / store8's 16-lane kin: 16 bf16 values <-> 16 fp32 lanes, stored
 // rounded to nearest even by vcvtneps2bf16 (which also flushes denormal inputs to zero). With
 // a mask m, only its lanes are read (the others are zero) or written.
-PAGEDLLM_BF16_TARGET static inline __m512 widen16(__m256i h) {
+// (The loads need only AVX-512F / BW: kernels without the BF16 extension widen rows with
+// them too, as gemm_int8.h's row quantizer; the float overload reads fp32 rows alike.)
+PAGEDLLM_AVX512_TARGET static inline __m512 widen16(__m256i h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-PAGEDLLM_BF16_TARGET static inline __m512 load16(const uint16_t* p) {
+PAGEDLLM_AVX512_TARGET static inline __m512 load16(const uint16_t* p) {
   return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-PAGEDLLM_BF16_TARGET static inline __m512 load16(const uint16_t* p, __mmask16 m) {
+PAGEDLLM_AVX512_TARGET static inline __m512 load16(const uint16_t* p, __mmask16 m) {
   return widen16(_mm256_maskz_loadu_epi16(m, p));
+}
+PAGEDLLM_AVX512_TARGET static inline __m512 load16(const float* p, __mmask16 m) {
+  return _mm512_maskz_loadu_ps(m, p);
 }
 PAGEDLLM_BF16_TARGET static inline void store16(uint16_t* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));

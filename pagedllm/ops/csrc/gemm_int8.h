@@ -88,19 +88,13 @@ static inline __attribute__((always_inline)) void quantize_row_i16_t(
 // for inv, x * inv rounded half to even, the clamp), so the same bytes. GCC leaves the scalar
 // loop unvectorized (nearbyint and the two byte stores): ~3 us for a 1,536-wide row, where a
 // batch-1 decode step of SmolLM2 quantizes 121 rows (~0.25 ms of a ~5 ms int8 step).
-PAGEDLLM_AVX512_TARGET static inline __m512 load_row16(const uint16_t* p, __mmask16 m) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
-}
-PAGEDLLM_AVX512_TARGET static inline __m512 load_row16(const float* p, __mmask16 m) {
-  return _mm512_maskz_loadu_ps(m, p);
-}
 template <class V>
 PAGEDLLM_AVX512_TARGET static void quantize_row_i16_avx512(const V* x, int64_t K, int64_t K_pad,
                                                            uint8_t* hi, uint8_t* lo, float* scale) {
   const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   __m512 vmax = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 16)  // a NaN lane keeps vmax (max_ps returns its second operand)
-    vmax = _mm512_max_ps(_mm512_and_ps(load_row16(x + k, lanes16(k, K)), magnitude), vmax);
+    vmax = _mm512_max_ps(_mm512_and_ps(load16(x + k, lanes16(k, K)), magnitude), vmax);
   float amax = _mm512_reduce_max_ps(vmax);
   if (!(amax > 0.f)) amax = 1.f;
   const __m512 inv = _mm512_set1_ps(32767.f / amax);
@@ -108,7 +102,7 @@ PAGEDLLM_AVX512_TARGET static void quantize_row_i16_avx512(const V* x, int64_t K
   const __m512i zero = _mm512_set1_epi32(static_cast<int32_t>(kInt16Zero));
   for (int64_t k = 0; k < K; k += 16) {
     const __mmask16 m = lanes16(k, K);
-    const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(load_row16(x + k, m), inv),
+    const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(load16(x + k, m), inv),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     // A NaN lane becomes -32767, as std::max(-32767.f, NaN) in the scalar loop.
     const __m512 q = _mm512_min_ps(_mm512_max_ps(r, bottom), top);
@@ -336,18 +330,16 @@ PAGEDLLM_VNNI_TARGET static void row_i16_vnni(const Int8GemmArgs& a, int64_t b, 
 // activation row (two byte rows) takes row_i16_vnni.
 PAGEDLLM_VNNI_TARGET static void gemm_int8_sums_vnni(const Int8GemmArgs& a, int64_t m0,
                                                      int64_t m1, int64_t p, int32_t* c) {
-  if (m1 - m0 == 2) {  // one activation row
-    if (int8_row_words().load(std::memory_order_relaxed)) return row_i16_vnni(a, m0, p, c);
-    if (stream_nta()) {
-      for (int64_t kq0 = 0; kq0 < a.Kq; kq0 += kQuadChunk)
-        micro_u8s8<2, true>(a.xq + m0 * a.ldx + 4 * kq0, a.ldx, a.w + (p * a.Kq + kq0) * 4 * kPanel,
-                            std::min(kQuadChunk, a.Kq - kq0), c, kq0 > 0);
-      return;
-    }
-  }
+  const bool one_row = m1 - m0 == 2;
+  if (one_row && int8_row_words().load(std::memory_order_relaxed)) return row_i16_vnni(a, m0, p, c);
+  const bool stream = one_row && stream_nta();
   for (int64_t kq0 = 0; kq0 < a.Kq; kq0 += kQuadChunk) {
     const int64_t nkq = std::min(kQuadChunk, a.Kq - kq0);
     const int8_t* panel = a.w + (p * a.Kq + kq0) * 4 * kPanel;
+    if (stream) {
+      micro_u8s8<2, true>(a.xq + m0 * a.ldx + 4 * kq0, a.ldx, panel, nkq, c, kq0 > 0);
+      continue;
+    }
     for (int64_t m = m0; m < m1; m += kRowTile)
       micro_u8s8_dispatch(std::min(kRowTile, m1 - m), a.xq + m * a.ldx + 4 * kq0, a.ldx, panel,
                           nkq, c + (m - m0) * kPanel, kq0 > 0);
