@@ -133,5 +133,9 @@ def cpu_ops() -> Any | None:
     # rows (the same bits; gemm_int8.h's int8_row_words: byte rows by default).
     if os.environ.get("PAGEDLLM_CPU_INT8_ROW_WORDS"):
         torch.ops.pagedllm.cpu_int8_row_words(env_flag("PAGEDLLM_CPU_INT8_ROW_WORDS", False))
+    # PAGEDLLM_CPU_INT8_ROW_STREAM=1/0: the one-row int8 kernel's non-temporal prefetch on or
+    # off (gemm_int8.h's int8_row_stream: on from AMD Zen 5).
+    if os.environ.get("PAGEDLLM_CPU_INT8_ROW_STREAM"):
+        torch.ops.pagedllm.cpu_int8_row_stream(env_flag("PAGEDLLM_CPU_INT8_ROW_STREAM", False))
     _register_fake_gemm()
     return torch.ops.pagedllm

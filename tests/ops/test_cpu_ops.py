@@ -41,14 +41,21 @@ def amx_allowed(request):
     ops.cpu_allow_amx(default)
 
 
-@pytest.fixture(params=[True, False], ids=["row-words", "row-bytes"])
+@pytest.fixture(
+    params=[(True, False), (False, False), (False, True)],
+    ids=["row-words", "row-bytes", "row-bytes-stream"],
+)
 def int8_row_words(request):
-    """One-row int8 products as int16 words (vpdpwssd) and as two byte rows (vpdpbusd): the
-    VNNI kernel's two ways, whichever this CPU takes by default."""
-    default = ops.cpu_int8_row_words(None)
-    ops.cpu_int8_row_words(request.param)
-    yield request.param
-    ops.cpu_int8_row_words(default)
+    """One-row int8 products as int16 words (vpdpwssd) and as two byte rows (vpdpbusd), those
+    with and without their non-temporal prefetch: the VNNI kernel's ways, whichever this CPU
+    takes by default (the same bits)."""
+    words, stream = request.param
+    defaults = ops.cpu_int8_row_words(None), ops.cpu_int8_row_stream(None)
+    ops.cpu_int8_row_words(words)
+    ops.cpu_int8_row_stream(stream)
+    yield words
+    ops.cpu_int8_row_words(defaults[0])
+    ops.cpu_int8_row_stream(defaults[1])
 
 
 def torch_path(monkeypatch):

@@ -618,47 +618,59 @@ struct DecodeChunk {
 };
 
 // The chunks of one request's context (KV head kvh, keys or values) in order: a chunk is up to
-// 16 tokens within one cache block. next() also prefetches the chunk after the one it returns.
+// 16 tokens within one cache block. next() requests the rows of the kLookahead tokens after
+// the chunk it returns into L2, from the first chunk on (a thread's first item, which nobody
+// prefetched, starts its stream at once). Each block lies anywhere in the cache, so the
+// hardware prefetchers do not run ahead across them: with one chunk of lookahead into L1 a
+// batch-1 layer's attention (context 192, blocks scattered, the cache flushed between layers
+// as a step's weights flush it) took 32-37 us on Zen 4, with 64 tokens into L2 25-28 us
+// (context 1,024: 1.15-1.24x; 64 requests: 1.1x; 128 tokens: no better; BENCHMARKS.md).
 struct DecodeChunks {
+  static constexpr int64_t kLookahead = 64;
   const uint16_t* base;
   const int32_t* table;
   int64_t bs, stride, L, row_bytes;
-  DecodeChunk ahead;
+  int64_t requested = 0;  // the first token whose rows were not requested yet
 
   DecodeChunks(const DecodeAttnArgs<Bf16>& a, int64_t b, int64_t kvh, bool value)
       : base(a.kv + (value ? a.num_blocks * a.block_size * a.num_kv_heads * a.head_size : 0) +
              kvh * a.head_size),
         table(a.block_table + b * a.bt_stride), bs(a.block_size),
         stride(a.num_kv_heads * a.head_size), L(a.seq_lens[b]),
-        row_bytes(a.head_size * 2), ahead(at(0)) {}
+        row_bytes(a.head_size * 2) {}
 
   inline DecodeChunk at(int64_t j) const {
     const int64_t off = j % bs;
     return {base + (table[j / bs] * bs + off) * stride, stride,
             std::min({int64_t(16), bs - off, L - j})};
   }
+  // Requests the rows of tokens [requested, end) (a whole chunk at a time) with `hint`.
+  template <int hint>
+  inline void request(int64_t end) {
+    for (end = std::min(end, L); requested < end;) {
+      const DecodeChunk ch = at(requested);
+      for (int64_t t = 0; t < ch.n; ++t)
+        for (int64_t off = 0; off < row_bytes; off += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(ch.src + t * stride) + off,
+                       static_cast<_mm_hint>(hint));
+      requested += ch.n;
+    }
+  }
   // The chunk starting at token j (j < L; the previous call's chunk ended there).
   inline DecodeChunk next(int64_t j) {
-    const DecodeChunk cur = ahead;
-    if (j + cur.n < L) {
-      ahead = at(j + cur.n);
-      for (int64_t t = 0; t < ahead.n; ++t)
-        for (int64_t off = 0; off < row_bytes; off += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(ahead.src + t * stride) + off, _MM_HINT_T0);
-    }
+    const DecodeChunk cur = at(j);
+    request<_MM_HINT_T1>(j + cur.n + kLookahead);
     return cur;
   }
 };
 
 // The thread's next item's K and V rows, requested into L2 a chunk at a time while this item
-// runs: its K during this item's K pass, its V during the V pass. One chunk of lookahead
-// (DecodeChunks::next) is shorter than a memory access, so the chunks' loads waited on memory
-// (64 requests x 192 tokens: 30 layers' attention in 22-24 ms from memory, 11-15 ms with
-// one layer's cache in L2 / L3; with this prefetch 1.11x faster from memory, alternated;
-// into L1 instead, slower).
+// runs: its K during this item's K pass, its V during the V pass, so that the next item finds
+// its first rows there too (64 requests x 192 tokens: 30 layers' attention in 22-24 ms from
+// memory, 11-15 ms with one layer's cache in L2 / L3; with this prefetch 1.11x faster from
+// memory, alternated; into L1 instead, slower).
 struct DecodeNext {
   DecodeChunks k, v;
-  int64_t jk = 0, jv = 0;  // the next token to request
 
   // Item (b, kvh), or none when b < 0.
   DecodeNext(const DecodeAttnArgs<Bf16>& a, int64_t b, int64_t kvh)
@@ -668,14 +680,7 @@ struct DecodeNext {
   // Up to two chunks (the next item may be longer than this one) of its K or V.
   inline void step(bool value) {
     DecodeChunks& c = value ? v : k;
-    int64_t& j = value ? jv : jk;
-    for (int s = 0; s < 2 && j < c.L; ++s) {
-      const DecodeChunk ch = c.at(j);
-      for (int64_t t = 0; t < ch.n; ++t)
-        for (int64_t off = 0; off < c.row_bytes; off += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(ch.src + t * ch.stride) + off, _MM_HINT_T1);
-      j += ch.n;
-    }
+    c.request<_MM_HINT_T1>(c.requested + 32);
   }
 };
 

@@ -186,22 +186,23 @@ PAGEDLLM_VNNI_TARGET static inline __m512i dpbusd(__m512i acc, __m512i x, __m512
 }
 
 // A one-row product's panel stream with a non-temporal prefetch kNtaAhead bytes ahead, on AMD
-// CPUs. On Zen 5 it drew more of the memory's bandwidth (40 gate / up-shaped products in a
-// row: 34 GB/s of weights against 23-29 without), and int8 batch-1 decode ran 1.05-1.09x
-// faster with it, alternated in one process (1,024 to 8,192 bytes ahead all helped;
-// BENCHMARKS.md). It does not keep the rest of the step in cache: a small op after such a
-// stream still takes 15-25 us, against ~1 us warm. Only where measured: AMD family 26 (Zen 5)
-// on; Zen 4 lost a third of a one-row product's bandwidth to a plain prefetch 4 KB ahead
-// (gemm.h's micro), and Intel CPUs are unmeasured. The bf16 one-row kernel gained 0-4% on Zen
-// 5 (within the noise), so it has none.
+// Zen 5. There it drew more of the memory's bandwidth (40 gate / up-shaped products in a row:
+// 34 GB/s of weights against 23-29 without), and int8 batch-1 decode ran 1.05-1.09x faster
+// with it, alternated in one process (1,024 to 8,192 bytes ahead all helped; BENCHMARKS.md).
+// It does not keep the rest of the step in cache: a small op after such a stream still takes
+// 15-25 us, against ~1 us warm. On Zen 4 (family 25) the same decode ran 0.96x as fast with it
+// (15 rounds alternated), so it is on from family 26 only; Intel CPUs are unmeasured. The
+// bf16 one-row kernel gained 0-4% on Zen 5 (within the noise), so it has none.
+// PAGEDLLM_CPU_INT8_ROW_STREAM=1/0 overrides the choice (build.py's cpu_ops(), through the
+// cpu_int8_row_stream op); the tests run both.
 constexpr int64_t kNtaAhead = 2048;
-static inline bool stream_nta() {
-  static const bool on = [] {
+static std::atomic<bool>& int8_row_stream() {
+  static std::atomic<bool> on{[] {
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
     if (!__builtin_cpu_is("amd") || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
     const unsigned family = ((eax >> 8) & 0xF) + ((eax >> 20) & 0xFF);
     return family >= 26;
-  }();
+  }()};
   return on;
 }
 
@@ -332,7 +333,7 @@ PAGEDLLM_VNNI_TARGET static void gemm_int8_sums_vnni(const Int8GemmArgs& a, int6
                                                      int64_t m1, int64_t p, int32_t* c) {
   const bool one_row = m1 - m0 == 2;
   if (one_row && int8_row_words().load(std::memory_order_relaxed)) return row_i16_vnni(a, m0, p, c);
-  const bool stream = one_row && stream_nta();
+  const bool stream = one_row && int8_row_stream().load(std::memory_order_relaxed);
   for (int64_t kq0 = 0; kq0 < a.Kq; kq0 += kQuadChunk) {
     const int64_t nkq = std::min(kQuadChunk, a.Kq - kq0);
     const int8_t* panel = a.w + (p * a.Kq + kq0) * 4 * kPanel;

@@ -953,6 +953,10 @@ TORCH_LIBRARY(pagedllm, m) {
     if (use) pagedllm::int8_row_words().store(*use, std::memory_order_relaxed);
     return pagedllm::int8_row_words().load(std::memory_order_relaxed);
   });
+  m.def("cpu_int8_row_stream(bool? use) -> bool", [](c10::optional<bool> use) {
+    if (use) pagedllm::int8_row_stream().store(*use, std::memory_order_relaxed);
+    return pagedllm::int8_row_stream().load(std::memory_order_relaxed);
+  });
   m.def("cpu_allow_amx(bool allowed) -> ()",
         [](bool allowed) { pagedllm::amx_allowed().store(allowed, std::memory_order_relaxed); });
   // GEMMs: CPU kernels (not catch-alls) so that build.py can give them fakes for torch.compile.
