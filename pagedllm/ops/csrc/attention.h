@@ -250,19 +250,10 @@ static bool decode_item_avx2_dispatch(const DecodeAttnArgs<E>& a, int64_t b, int
 
 // ---- dispatch --------------------------------------------------------------------------
 
-// A piece of an item: its tokens [j0, j1) and where its undivided sums go, part: [G][D] fp32
-// sums of p v, then [G] score maxima, then [G] sums of p (decode_merge_pieces combines them). j1 < 0:
-// the whole item, its output stored as it is.
-struct DecodePiece {
-  int64_t j0 = 0, j1 = -1;
-  float* part = nullptr;
-};
-
 // One (request b, KV head kvh) item. scratch: >= G * (seq_len + 2 * D + 1) + (block_size + 1) * D
 // floats.
 static bool decode_item_bf16_dispatch(const DecodeAttnArgs<Bf16>& a, int64_t b, int64_t kvh,
-                                      float* scratch, int64_t next_b, int64_t next_kvh,
-                                      DecodePiece piece);
+                                      float* scratch, int64_t next_b, int64_t next_kvh);
 
 // (next_b, next_kvh): the item this thread runs next (next_b < 0: none), whose K / V the
 // AVX512-BF16 kernel prefetches.
@@ -272,7 +263,7 @@ static void decode_item(const DecodeAttnArgs<E>& a, int64_t b, int64_t kvh, floa
   if constexpr (std::is_same_v<E, Bf16>) {
     static const bool bf16 = __builtin_cpu_supports("avx512bf16") &&
                              __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
-    if (bf16 && decode_item_bf16_dispatch(a, b, kvh, scratch, next_b, next_kvh, {})) return;
+    if (bf16 && decode_item_bf16_dispatch(a, b, kvh, scratch, next_b, next_kvh)) return;
   }
   static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (avx2 && decode_item_avx2_dispatch(a, b, kvh, scratch)) return;
@@ -641,14 +632,12 @@ struct DecodeChunks {
   int64_t bs, stride, L, row_bytes;
   int64_t requested = 0;  // the first token whose rows were not requested yet
 
-  // Tokens [j0, j1) (j1 < 0: to the end of the request).
-  DecodeChunks(const DecodeAttnArgs<Bf16>& a, int64_t b, int64_t kvh, bool value,
-               int64_t j0 = 0, int64_t j1 = -1)
+  DecodeChunks(const DecodeAttnArgs<Bf16>& a, int64_t b, int64_t kvh, bool value)
       : base(a.kv + (value ? a.num_blocks * a.block_size * a.num_kv_heads * a.head_size : 0) +
              kvh * a.head_size),
         table(a.block_table + b * a.bt_stride), bs(a.block_size),
-        stride(a.num_kv_heads * a.head_size), L(j1 < 0 ? a.seq_lens[b] : j1),
-        row_bytes(a.head_size * 2), requested(j0) {}
+        stride(a.num_kv_heads * a.head_size), L(a.seq_lens[b]),
+        row_bytes(a.head_size * 2) {}
 
   inline DecodeChunk at(int64_t j) const {
     const int64_t off = j % bs;
@@ -751,19 +740,16 @@ PAGEDLLM_BF16_TARGET static inline void store_unpacked_bf16(uint16_t* dst, __m51
 // out[g] = sum_t p[g][t] v_t * inv[g] for NG query heads (p: the bf16 softmax numerators,
 // [g][L]; inv: 1 / their sums). Tokens go in pairs within a chunk; a chunk's odd last token
 // pairs with a zero weight (and its own row again).
-// Tokens j0 .. j0 + L of the request (p's columns); part: the sums [g][D] in fp32, not yet
-// divided, in natural order instead (a piece of a split item, DecodePiece).
 template <int C2, int NG>
 PAGEDLLM_BF16_TARGET static inline void decode_values_bf16(DecodeChunks chunks, const uint16_t* p,
-                                                           int64_t j0, int64_t L, const float* inv,
-                                                           uint16_t* out, DecodeNext& next,
-                                                           float* part) {
+                                                           int64_t L, const float* inv,
+                                                           uint16_t* out, DecodeNext& next) {
   constexpr int64_t D = 32 * C2;
   __m512 o[NG][2 * C2];
   for (int g = 0; g < NG; ++g)
     for (int c = 0; c < 2 * C2; ++c) o[g][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < L;) {
-    const DecodeChunk v = chunks.next(j0 + j);
+    const DecodeChunk v = chunks.next(j);
     next.step(true);
     for (int64_t t = 0; t < v.n; t += 2) {
       const bool pair = t + 1 < v.n;
@@ -788,27 +774,17 @@ PAGEDLLM_BF16_TARGET static inline void decode_values_bf16(DecodeChunks chunks, 
     }
     j += v.n;
   }
-  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
   for (int g = 0; g < NG; ++g)
-    for (int h = 0; h < C2; ++h) {
-      if (part) {  // store_unpacked_bf16's order, in fp32 and undivided
-        float* dst = part + g * D + 32 * h;
-        _mm512_storeu_ps(dst, _mm512_permutex2var_ps(o[g][2 * h], first, o[g][2 * h + 1]));
-        _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(o[g][2 * h], second, o[g][2 * h + 1]));
-        continue;
-      }
+    for (int h = 0; h < C2; ++h)
       store_unpacked_bf16(out + g * D + 32 * h, o[g][2 * h], o[g][2 * h + 1],
                           _mm512_set1_ps(inv[g]));
-    }
 }
 
 // Softmax numerators of one row's n fp32 scores times `scale`, on 16 lanes, rounded to bf16
 // into p[0..n); returns 1 / the sum of the rounded numerators (n > 0). The rows of the decode
 // kernel below and of the prefill tile kernels (attention_tiles.h).
 PAGEDLLM_BF16_TARGET static inline float softmax_row_bf16(const float* s, int64_t n, float scale,
-                                                          uint16_t* p, float* row_max = nullptr,
-                                                          float* row_sum = nullptr) {
+                                                          uint16_t* p) {
   const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
   __m512 mv = ninf;
   for (int64_t k = 0; k < n; k += 16) {
@@ -825,20 +801,16 @@ PAGEDLLM_BF16_TARGET static inline float softmax_row_bf16(const float* s, int64_
     _mm256_mask_storeu_epi16(p + k, in, (__m256i)eb);
     sum = _mm512_add_ps(sum, _mm512_cvtpbh_ps(eb));
   }
-  const float total = _mm512_reduce_add_ps(sum);
-  if (row_max) *row_max = _mm512_cvtss_f32(m);
-  if (row_sum) *row_sum = total;
-  return 1.f / total;
+  return 1.f / _mm512_reduce_add_ps(sum);
 }
 
 template <int C2>
 PAGEDLLM_BF16_TARGET static void decode_item_bf16(const DecodeAttnArgs<Bf16>& a, int64_t b,
                                                   int64_t kvh, float* scratch,
-                                                  DecodeNext& next, DecodePiece piece) {
+                                                  DecodeNext& next) {
   constexpr int64_t D = 32 * C2;
   constexpr int kScoreHeads = 4, kValueHeads = C2 >= 8 ? 1 : (C2 >= 3 ? 2 : 4);
-  const int64_t j0 = piece.j0, j1 = piece.j1 < 0 ? a.seq_lens[b] : piece.j1;
-  const int64_t L = j1 - j0, G = a.num_heads / a.num_kv_heads;
+  const int64_t L = a.seq_lens[b], G = a.num_heads / a.num_kv_heads;
   float* scores = scratch;       // [G][L]
   float* qp = scores + G * L;    // [G][C2][4][16]
   float* inv = qp + G * D * 2;   // [G]
@@ -857,9 +829,9 @@ PAGEDLLM_BF16_TARGET static void decode_item_bf16(const DecodeAttnArgs<Bf16>& a,
     const int64_t ng = std::min<int64_t>(kScoreHeads, G - g0);
     const float* qg = qp + g0 * D * 2;
     float* sg = scores + g0 * L;
-    DecodeChunks chunks(a, b, kvh, false, j0, j1);
+    DecodeChunks chunks(a, b, kvh, false);
     for (int64_t j = 0; j < L;) {
-      const DecodeChunk k = chunks.next(j0 + j);
+      const DecodeChunk k = chunks.next(j);
       if (g0 == 0) next.step(false);
       switch (ng) {
         case 1: decode_chunk_scores<C2, 1>(k, qg, sg + j, L, a.scale); break;
@@ -870,96 +842,33 @@ PAGEDLLM_BF16_TARGET static void decode_item_bf16(const DecodeAttnArgs<Bf16>& a,
       j += k.n;
     }
   }
-  float* part = piece.part;
   for (int64_t g = 0; g < G; ++g)  // the scores are scaled already
-    inv[g] = part ? softmax_row_bf16(scores + g * L, L, 1.f, p16 + g * L, part + G * D + g,
-                                     part + G * D + G + g)
-                  : softmax_row_bf16(scores + g * L, L, 1.f, p16 + g * L);
+    inv[g] = softmax_row_bf16(scores + g * L, L, 1.f, p16 + g * L);
   uint16_t* out = a.out + (b * a.num_heads + kvh * G) * D;
-  const DecodeChunks values(a, b, kvh, true, j0, j1);
+  const DecodeChunks values(a, b, kvh, true);
   for (int64_t g0 = 0; g0 < G; g0 += kValueHeads) {
     const uint16_t* p = p16 + g0 * L;
     uint16_t* o = out + g0 * D;
-    float* pg = part ? part + g0 * D : nullptr;
     // (No group is larger than kValueHeads: the cases above it are never taken.)
     switch (std::min<int64_t>(kValueHeads, G - g0)) {
-      case 1: decode_values_bf16<C2, 1>(values, p, j0, L, inv + g0, o, next, pg); break;
-      case 2: decode_values_bf16<C2, std::min(2, kValueHeads)>(values, p, j0, L, inv + g0, o, next, pg); break;
-      case 3: decode_values_bf16<C2, std::min(3, kValueHeads)>(values, p, j0, L, inv + g0, o, next, pg); break;
-      default: decode_values_bf16<C2, kValueHeads>(values, p, j0, L, inv + g0, o, next, pg); break;
+      case 1: decode_values_bf16<C2, 1>(values, p, L, inv + g0, o, next); break;
+      case 2: decode_values_bf16<C2, std::min(2, kValueHeads)>(values, p, L, inv + g0, o, next); break;
+      case 3: decode_values_bf16<C2, std::min(3, kValueHeads)>(values, p, L, inv + g0, o, next); break;
+      default: decode_values_bf16<C2, kValueHeads>(values, p, L, inv + g0, o, next); break;
     }
   }
 }
 
 static bool decode_item_bf16_dispatch(const DecodeAttnArgs<Bf16>& a, int64_t b, int64_t kvh,
-                                      float* scratch, int64_t next_b, int64_t next_kvh,
-                                      DecodePiece piece) {
+                                      float* scratch, int64_t next_b, int64_t next_kvh) {
   DecodeNext next(a, next_b, next_kvh);
   switch (a.head_size) {
-    case 32: decode_item_bf16<1>(a, b, kvh, scratch, next, piece); return true;
-    case 64: decode_item_bf16<2>(a, b, kvh, scratch, next, piece); return true;
-    case 96: decode_item_bf16<3>(a, b, kvh, scratch, next, piece); return true;
-    case 128: decode_item_bf16<4>(a, b, kvh, scratch, next, piece); return true;
-    case 256: decode_item_bf16<8>(a, b, kvh, scratch, next, piece); return true;
+    case 32: decode_item_bf16<1>(a, b, kvh, scratch, next); return true;
+    case 64: decode_item_bf16<2>(a, b, kvh, scratch, next); return true;
+    case 96: decode_item_bf16<3>(a, b, kvh, scratch, next); return true;
+    case 128: decode_item_bf16<4>(a, b, kvh, scratch, next); return true;
+    case 256: decode_item_bf16<8>(a, b, kvh, scratch, next); return true;
     default: return false;
-  }
-}
-
-// Whether decode_item runs the AVX512-BF16 kernel on bf16 caches of this head size (the one
-// that takes pieces).
-static bool decode_bf16_kernel_applies(int64_t head_size) {
-  static const bool bf16 = __builtin_cpu_supports("avx512bf16") &&
-                           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
-  return bf16 && (head_size == 32 || head_size == 64 || head_size == 96 || head_size == 128 ||
-                  head_size == 256);
-}
-
-// Whether a decode batch's items go in pieces along their context, and how many: a batch of
-// fewer (request, KV head) items than twice the threads, with pieces of at least
-// kDecodeMinPiece tokens. At batch 1 SmolLM2's 3 KV heads on 2 threads left one thread idle
-// for a third of every layer's attention; in 2 pieces an item, a layer's attention at context
-// 1,024 ran 1.03-1.7x faster (7 process pairs alternated, Zen 4), at 512 1.04-1.19x, while at
-// 192 pieces of 64 tokens were no faster (their fixed costs). Each piece keeps its own softmax
-// maximum and sums; decode_merge_pieces combines them into the output, so a request's
-// attention rounds differently in a batch that splits it than in one that does not.
-constexpr int64_t kDecodeMinPiece = 256, kDecodeMaxPieces = 64;
-static int64_t decode_pieces(int64_t items, int64_t max_seq_len, int64_t threads) {
-  if (threads < 2 || items >= 2 * threads) return 1;
-  const int64_t want = std::min<int64_t>(kDecodeMaxPieces, (2 * threads + items - 1) / items);
-  return std::max<int64_t>(1, std::min(want, max_seq_len / kDecodeMinPiece));
-}
-
-// Piece i of n of a context of L tokens: [j0, j1), on 16-token boundaries (empty when L is
-// short for n pieces).
-static inline DecodePiece decode_piece(int64_t L, int64_t i, int64_t n, float* part) {
-  const int64_t step = (L + n - 1) / n;
-  const int64_t size = (step + 15) / 16 * 16;
-  return {std::min(L, i * size), std::min(L, (i + 1) * size), part};
-}
-
-// out[g] (bf16) from an item's n pieces' parts (DecodePiece), empty pieces skipped.
-PAGEDLLM_BF16_TARGET static void decode_merge_pieces(const float* parts, int64_t n,
-                                                     const int32_t* empty, int64_t G, int64_t D,
-                                                     uint16_t* out) {
-  const int64_t part_size = G * (D + 2);
-  for (int64_t g = 0; g < G; ++g) {
-    float mx = -INFINITY;
-    for (int64_t i = 0; i < n; ++i)
-      if (!empty[i]) mx = std::max(mx, parts[i * part_size + G * D + g]);
-    float total = 0.f, w[kDecodeMaxPieces];
-    for (int64_t i = 0; i < n; ++i) {
-      const float* part = parts + i * part_size;
-      w[i] = empty[i] ? 0.f : std::exp(part[G * D + g] - mx);
-      total += w[i] * part[G * D + G + g];
-    }
-    const float inv = 1.f / total;
-    for (int64_t d = 0; d < D; d += 16) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t i = 0; i < n; ++i)
-        if (w[i] != 0.f)
-          acc = _mm512_fmadd_ps(_mm512_set1_ps(w[i]), _mm512_loadu_ps(parts + i * part_size + g * D + d), acc);
-      store16(out + g * D + d, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
-    }
   }
 }
 

@@ -631,39 +631,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
                         kv_cache.size(1), kv_cache.size(2), H, Hkv, D,
                         block_table.data_ptr<int32_t>(), block_table.stride(0),
                         seq_lens.data_ptr<int32_t>(), static_cast<float>(scale)};
-    const int64_t pieces = std::is_same_v<E, Bf16> && decode_bf16_kernel_applies(D)
-                               ? decode_pieces(B * Hkv, max_seq_len, at::get_num_threads())
-                               : 1;
-    if (pieces == 1) {
-      at::parallel_for(0, B * Hkv, 1, [&](int64_t b, int64_t e) {
-        const ThreadScratch<float, kDecodeAttnScratch> own(scratch);
-        float* buf = own.get();
-        for (int64_t i = b; i < e; ++i)
-          decode_item(a, i / Hkv, i % Hkv, buf, i + 1 < e ? (i + 1) / Hkv : -1, (i + 1) % Hkv);
-      });
-      return;
-    }
-    if constexpr (std::is_same_v<E, Bf16>) {
-      // Few items (a batch of one or two): each in pieces along its context, every piece
-      // its own softmax, merged per item afterwards (attention.h's decode_pieces).
-      const int64_t items = B * Hkv, part_size = G * (D + 2);
-      std::vector<float> parts(items * pieces * part_size);
-      std::vector<int32_t> empty(items * pieces);
-      at::parallel_for(0, items * pieces, 1, [&](int64_t b, int64_t e) {
-        const ThreadScratch<float, kDecodeAttnScratch> own(scratch);
-        for (int64_t i = b; i < e; ++i) {
-          const int64_t item = i / pieces, r = item / Hkv;
-          const DecodePiece piece =
-              decode_piece(a.seq_lens[r], i % pieces, pieces, parts.data() + i * part_size);
-          empty[i] = piece.j1 <= piece.j0;
-          if (!empty[i]) decode_item_bf16_dispatch(a, r, item % Hkv, own.get(), -1, 0, piece);
-        }
-      });
-      for (int64_t item = 0; item < items; ++item)
-        decode_merge_pieces(parts.data() + item * pieces * part_size, pieces,
-                            empty.data() + item * pieces, G, D,
-                            a.out + ((item / Hkv) * H + (item % Hkv) * G) * D);
-    }
+    at::parallel_for(0, B * Hkv, 1, [&](int64_t b, int64_t e) {
+      const ThreadScratch<float, kDecodeAttnScratch> own(scratch);
+      float* buf = own.get();
+      for (int64_t i = b; i < e; ++i)
+        decode_item(a, i / Hkv, i % Hkv, buf, i + 1 < e ? (i + 1) / Hkv : -1, (i + 1) % Hkv);
+    });
   });
   return out;
 }
