@@ -5,6 +5,11 @@ each), except "in cache", which reuses one small cache. Prints microseconds per 
 of 9 passes) and the K/V bytes read per second.
 
     python scripts/cpu_decode_attention.py
+    python scripts/cpu_decode_attention.py BATCH CONTEXT [ROUNDS]
+
+With BATCH and CONTEXT it times that one case (SmolLM2's heads, 30 caches) call by call, with
+4 MB of other memory written before each call, as a decode step's weights flush the caches
+between two layers' attention, and prints the median microseconds a call (of ROUNDS x 30).
 
 Cases: SmolLM2's heads (9 query heads, 3 KV heads, head size 64) at 64 requests x 200 tokens,
 the same in cache, 1 request x 128 tokens and 32 requests x 1,000 tokens; and a larger
@@ -14,6 +19,7 @@ model's (16 query heads, 4 KV heads, head size 128) at 32 requests x 300 tokens.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import torch
@@ -21,8 +27,9 @@ import torch
 from pagedllm.ops import cpu_ops
 
 
-def time_case(ops, B, L, caches=30, H=9, HKV=3, D=64, in_cache=False, bs=16):
-    """(microseconds per call, GB/s of K/V read)."""
+def time_case(ops, B, L, caches=30, H=9, HKV=3, D=64, in_cache=False, bs=16, flushed=0):
+    """(microseconds per call, GB/s of K/V read); flushed > 0: the median of `flushed` rounds
+    of calls timed one by one, each after writing 4 MB elsewhere."""
     g = torch.Generator().manual_seed(0)
     blocks_per_req = -(-L // bs)
     nb = 16 if in_cache else B * blocks_per_req + 8
@@ -37,6 +44,16 @@ def time_case(ops, B, L, caches=30, H=9, HKV=3, D=64, in_cache=False, bs=16):
     q = torch.randn(B, H, D, generator=g).bfloat16()
     for kv in kvs[:2]:
         ops.paged_decode_attention(q, kv, table, lens, L, D**-0.5)
+    if flushed:
+        other, chunk, calls = torch.zeros(64 << 20, dtype=torch.uint8), 4 << 20, []
+        for _ in range(flushed):
+            for i, kv in enumerate(kvs):
+                other[i % 16 * chunk : (i % 16 + 1) * chunk].add_(1)
+                t0 = time.perf_counter()
+                ops.paged_decode_attention(q, kv, table, lens, L, D**-0.5)
+                calls.append(time.perf_counter() - t0)
+        seconds = statistics.median(calls)
+        return seconds * 1e6, B * L * HKV * D * 2 * 2 / seconds / 1e9
     passes = []
     for _ in range(9):
         t0 = time.perf_counter()
@@ -51,6 +68,12 @@ def main() -> None:
     ops = cpu_ops()
     if ops is None:
         raise SystemExit("needs pagedllm's native kernels")
+    if len(sys.argv) > 2:
+        B, L = int(sys.argv[1]), int(sys.argv[2])
+        rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 20
+        us, gbs = time_case(ops, B, L, flushed=rounds)
+        print(f"{B} x {L} tokens, flushed between calls: {us:,.1f} us a call ({gbs:.1f} GB/s)")
+        return
     cases = {
         "64 x 200 tokens": dict(B=64, L=200),
         "64 x 200 tokens, in cache": dict(B=64, L=200, caches=1, in_cache=True),
