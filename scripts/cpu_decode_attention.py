@@ -44,23 +44,22 @@ def time_case(ops, B, L, caches=30, H=9, HKV=3, D=64, in_cache=False, bs=16, flu
     q = torch.randn(B, H, D, generator=g).bfloat16()
     for kv in kvs[:2]:
         ops.paged_decode_attention(q, kv, table, lens, L, D**-0.5)
+    times = []  # seconds a call: one by one after a flush, or per pass over the caches
     if flushed:
-        other, chunk, calls = torch.zeros(64 << 20, dtype=torch.uint8), 4 << 20, []
+        other, chunk = torch.zeros(64 << 20, dtype=torch.uint8), 4 << 20
         for _ in range(flushed):
             for i, kv in enumerate(kvs):
                 other[i % 16 * chunk : (i % 16 + 1) * chunk].add_(1)
                 t0 = time.perf_counter()
                 ops.paged_decode_attention(q, kv, table, lens, L, D**-0.5)
-                calls.append(time.perf_counter() - t0)
-        seconds = statistics.median(calls)
-        return seconds * 1e6, B * L * HKV * D * 2 * 2 / seconds / 1e9
-    passes = []
-    for _ in range(9):
-        t0 = time.perf_counter()
-        for kv in kvs:
-            ops.paged_decode_attention(q, kv, table, lens, L, D**-0.5)
-        passes.append((time.perf_counter() - t0) / len(kvs))
-    seconds = statistics.median(passes)
+                times.append(time.perf_counter() - t0)
+    else:
+        for _ in range(9):
+            t0 = time.perf_counter()
+            for kv in kvs:
+                ops.paged_decode_attention(q, kv, table, lens, L, D**-0.5)
+            times.append((time.perf_counter() - t0) / len(kvs))
+    seconds = statistics.median(times)
     return seconds * 1e6, B * L * HKV * D * 2 * 2 / seconds / 1e9
 
 

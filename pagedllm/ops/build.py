@@ -129,13 +129,14 @@ def cpu_ops() -> Any | None:
             return None
     # PAGEDLLM_CPU_AMX=0: the AVX-512 kernels even where the CPU has AMX tiles.
     torch.ops.pagedllm.cpu_allow_amx(env_flag("PAGEDLLM_CPU_AMX", True))
-    # PAGEDLLM_CPU_INT8_ROW_WORDS=1/0: a one-row int8 product as int16 words or as two byte
-    # rows (the same bits; gemm_int8.h's int8_row_words: byte rows by default).
-    if os.environ.get("PAGEDLLM_CPU_INT8_ROW_WORDS"):
-        torch.ops.pagedllm.cpu_int8_row_words(env_flag("PAGEDLLM_CPU_INT8_ROW_WORDS", False))
-    # PAGEDLLM_CPU_INT8_ROW_STREAM=1/0: the one-row int8 kernel's non-temporal prefetch on or
-    # off (gemm_int8.h's int8_row_stream: on from AMD Zen 5).
-    if os.environ.get("PAGEDLLM_CPU_INT8_ROW_STREAM"):
-        torch.ops.pagedllm.cpu_int8_row_stream(env_flag("PAGEDLLM_CPU_INT8_ROW_STREAM", False))
+    # The one-row int8 kernel's switches, where set (the same bits either way; gemm_int8.h):
+    # PAGEDLLM_CPU_INT8_ROW_WORDS=1/0, int16 words or two byte rows (byte rows by default);
+    # PAGEDLLM_CPU_INT8_ROW_STREAM=1/0, its non-temporal prefetch (on from AMD Zen 5).
+    for name, op in (
+        ("PAGEDLLM_CPU_INT8_ROW_WORDS", torch.ops.pagedllm.cpu_int8_row_words),
+        ("PAGEDLLM_CPU_INT8_ROW_STREAM", torch.ops.pagedllm.cpu_int8_row_stream),
+    ):
+        if os.environ.get(name):
+            op(env_flag(name, False))
     _register_fake_gemm()
     return torch.ops.pagedllm

@@ -45,7 +45,7 @@ def amx_allowed(request):
     params=[(True, False), (False, False), (False, True)],
     ids=["row-words", "row-bytes", "row-bytes-stream"],
 )
-def int8_row_words(request):
+def int8_row_kernel(request):
     """One-row int8 products as int16 words (vpdpwssd) and as two byte rows (vpdpbusd), those
     with and without their non-temporal prefetch: the VNNI kernel's ways, whichever this CPU
     takes by default (the same bits)."""
@@ -116,7 +116,7 @@ def test_linear_bf16(m, n, k):
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
 @pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 97, 200])
 @pytest.mark.parametrize("n,k", [(1, 1), (64, 64), (100, 770), (130, 3001), (1280, 96), (4160, 64)])
-def test_linear_int8_equals_the_reference(m, n, k, dtype, int8_row_words):
+def test_linear_int8_equals_the_reference(m, n, k, dtype, int8_row_kernel):
     """The W8A16 kernel (AMX tiles, AVX512-VNNI with a row as int16 words or as byte rows, or
     AVX2: whichever this CPU has) computes `int8_linear`'s numbers exactly (integer sums, the
     same float steps), for bf16 and fp32 activations, K not a multiple of 4 or of the kernels'
@@ -220,7 +220,7 @@ def test_linear_silu_mul_is_silu_and_mul_of_linear(m, n, k):
 )
 @pytest.mark.parametrize("m", [1, 2, 7, 97])
 @pytest.mark.parametrize("n,k", [(128, 64), (3072, 576), (256, 770)])
-def test_linear_int8_silu_mul_is_silu_and_mul_of_linear_int8(m, n, k, amx_allowed, int8_row_words):
+def test_linear_int8_silu_mul_is_silu_and_mul_of_linear_int8(m, n, k, amx_allowed, int8_row_kernel):
     """int8 gate / up weights with SiLU x mul in the epilogue: the bits of the two ops (one
     row, row tiles and leftovers, K not a multiple of 4, several items a thread), with and
     without a bias, from strided rows too; a batch that the AMX tiles take is not fused."""
@@ -242,7 +242,7 @@ def test_linear_int8_silu_mul_is_silu_and_mul_of_linear_int8(m, n, k, amx_allowe
 
 @needs_avx2
 @pytest.mark.parametrize("m", [1, 3])
-def test_linear_int8_is_exact_at_the_largest_k_and_values(m, int8_row_words):
+def test_linear_int8_is_exact_at_the_largest_k_and_values(m, int8_row_kernel):
     """At K = 65536 (the most an int8 layer takes) with every product at its largest (|x16| =
     32767, |q| = 127, one sign), the kernels' int32 partial sums must not overflow: the result
     is the reference's (whose dot products are exact in int64) and the true value's."""

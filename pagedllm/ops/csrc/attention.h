@@ -647,7 +647,8 @@ struct DecodeChunks {
   // Requests the rows of tokens [requested, end) (a whole chunk at a time) with `hint`.
   template <int hint>
   inline void request(int64_t end) {
-    for (end = std::min(end, L); requested < end;) {
+    const int64_t stop = std::min(end, L);
+    while (requested < stop) {
       const DecodeChunk ch = at(requested);
       for (int64_t t = 0; t < ch.n; ++t)
         for (int64_t off = 0; off < row_bytes; off += 64)
@@ -677,7 +678,7 @@ struct DecodeNext {
       : k(a, std::max<int64_t>(b, 0), kvh, false), v(a, std::max<int64_t>(b, 0), kvh, true) {
     if (b < 0) k.L = v.L = 0;
   }
-  // Up to two chunks (the next item may be longer than this one) of its K or V.
+  // Its next 32 tokens' K or V rows, whole chunks (the next item may be longer than this one).
   inline void step(bool value) {
     DecodeChunks& c = value ? v : k;
     c.request<_MM_HINT_T1>(c.requested + 32);

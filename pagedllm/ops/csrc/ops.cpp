@@ -949,14 +949,15 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def("cpu_has_avx512_vnni() -> bool", &pagedllm::cpu_has_avx512_vnni);
   m.def("cpu_has_avx2_fma() -> bool", &pagedllm::cpu_has_avx2_fma);
   m.def("cpu_has_amx() -> bool", &pagedllm::amx_usable);
-  m.def("cpu_int8_row_words(bool? use) -> bool", [](c10::optional<bool> use) {
-    if (use) pagedllm::int8_row_words().store(*use, std::memory_order_relaxed);
-    return pagedllm::int8_row_words().load(std::memory_order_relaxed);
-  });
-  m.def("cpu_int8_row_stream(bool? use) -> bool", [](c10::optional<bool> use) {
-    if (use) pagedllm::int8_row_stream().store(*use, std::memory_order_relaxed);
-    return pagedllm::int8_row_stream().load(std::memory_order_relaxed);
-  });
+  // A kernel switch's op: sets it when given a value; returns it.
+  auto switch_op = [](std::atomic<bool>& (*flag)()) {
+    return [flag](c10::optional<bool> use) {
+      if (use) flag().store(*use, std::memory_order_relaxed);
+      return flag().load(std::memory_order_relaxed);
+    };
+  };
+  m.def("cpu_int8_row_words(bool? use) -> bool", switch_op(&pagedllm::int8_row_words));
+  m.def("cpu_int8_row_stream(bool? use) -> bool", switch_op(&pagedllm::int8_row_stream));
   m.def("cpu_allow_amx(bool allowed) -> ()",
         [](bool allowed) { pagedllm::amx_allowed().store(allowed, std::memory_order_relaxed); });
   // GEMMs: CPU kernels (not catch-alls) so that build.py can give them fakes for torch.compile.
