@@ -492,23 +492,37 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// positions: int64, each a row of cos_sin_cache (float32 [len, rot]); their values.
+const int64_t* checked_positions(const at::Tensor& positions, const at::Tensor& cos_sin_cache, int64_t rot) {
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "positions: int64");
+  TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.is_contiguous() &&
+                  cos_sin_cache.size(1) == rot, "cos_sin_cache: float32 [len, rot]");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < positions.numel(); ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_sin_cache.size(0), "position ", pos[t], " out of the RoPE table");
+  return pos;
+}
+
+// RoPE's row kernel for E: rope(x, heads, head_size, rot, cos_sin) rotates `heads` heads of x
+// in place, each on its own (so a row's heads in any grouping give the same bits).
+template <class E>
+auto rope_kernel() {
+  void (*rope)(typename E::T*, int64_t, int64_t, int64_t, const float*) = rope_row;
+  if constexpr (std::is_same_v<E, Bf16>)
+    if (cpu_has_avx512_bf16()) rope = rope_row_bf16;
+  return rope;
+}
+
 void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
                       const at::Tensor& cos_sin_cache, int64_t head_size, int64_t rot) {
   check_any_rows(q, "query");
   check_any_rows(k, "key");
   check_like(k, q, "key");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "positions: int64");
-  TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.is_contiguous() &&
-                  cos_sin_cache.size(1) == rot, "cos_sin_cache: float32 [len, rot]");
+  const int64_t* pos = checked_positions(positions, cos_sin_cache, rot);
   const int64_t T = q.size(0), hq = q.size(1) / head_size, hk = k.size(1) / head_size;
-  const int64_t* pos = positions.data_ptr<int64_t>();
   const float* cs = cos_sin_cache.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_sin_cache.size(0), "position ", pos[t], " out of the RoPE table");
   by_dtype(q, "query", [&]<class E>() {
-    void (*rope)(typename E::T*, int64_t, int64_t, int64_t, const float*) = rope_row;
-    if constexpr (std::is_same_v<E, Bf16>)
-      if (cpu_has_avx512_bf16()) rope = rope_row_bf16;
+    const auto rope = rope_kernel<E>();
     at::parallel_for(0, T, row_grain(q.size(1) + k.size(1)), [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
         const float* row = cs + pos[t] * rot;
@@ -576,25 +590,36 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 // first n = slot_mapping.numel() rows: the step's K/V rows copied into their cache slots, one
 // memcpy per row (what two index_copy_ calls do at ~10 ns an element). Rows may be strided (the
 // K and V columns of the fused QKV output); each row's heads must be contiguous.
+// kv_cache: contiguous [2, num_blocks, block_size, Hkv, D] in dtype `like`'s.
+void check_kv_cache(const at::Tensor& kv_cache, const at::Tensor& like) {
+  check_like(kv_cache, like, "kv_cache");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "kv_cache: contiguous [2, num_blocks, block_size, Hkv, D]");
+}
+
+// slot_mapping: int64, each a slot of a cache of `slots`; their values.
+const int64_t* checked_slots(const at::Tensor& slot_mapping, int64_t slots) {
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
+              "slot_mapping: int64");
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < slot_mapping.numel(); ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot ", slot[t], " out of the KV cache");
+  return slot;
+}
+
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
                        const at::Tensor& slot_mapping) {
   check_like(value, key, "value");
-  check_like(kv_cache, key, "kv_cache");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
-              "kv_cache: contiguous [2, num_blocks, block_size, Hkv, D]");
+  check_kv_cache(kv_cache, key);
   const int64_t row = kv_cache.size(3) * kv_cache.size(4);
   const int64_t slots = kv_cache.size(1) * kv_cache.size(2);
   for (const at::Tensor* t : {&key, &value})
     TORCH_CHECK(t->dim() == 3 && t->size(1) * t->size(2) == row && t->stride(2) == 1 &&
                     t->stride(1) == t->size(2),
                 "key / value: [T, Hkv, D] rows with contiguous heads, as the cache's");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
-              "slot_mapping: int64");
   const int64_t n = slot_mapping.numel();
   TORCH_CHECK(n <= key.size(0) && n <= value.size(0), "slot_mapping has more rows than key / value");
-  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < n; ++t)
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot ", slot[t], " out of the KV cache");
+  const int64_t* slot = checked_slots(slot_mapping, slots);
   const int64_t bytes = row * key.element_size();
   char* k_cache = static_cast<char*>(kv_cache.data_ptr());
   char* v_cache = k_cache + slots * bytes;
@@ -609,13 +634,14 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   });
 }
 
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
-                                  const at::Tensor& block_table, const at::Tensor& seq_lens,
-                                  int64_t max_seq_len, double scale) {
-  check_like(kv_cache, q, "kv_cache");
+// paged_decode_attention's work, with before(E{}, b, kvh) run on an item's thread right before
+// the item (request b, KV head kvh) attends.
+template <class Before>
+at::Tensor decode_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
+                                 const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                 int64_t max_seq_len, double scale, Before&& before) {
+  check_kv_cache(kv_cache, q);
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "query: [B, H, D] rows");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
-              "kv_cache: contiguous [2, num_blocks, block_size, Hkv, D]");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1, "block_table: int32");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens: int32");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), Hkv = kv_cache.size(3);
@@ -634,11 +660,60 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
     at::parallel_for(0, B * Hkv, 1, [&](int64_t b, int64_t e) {
       const ThreadScratch<float, kDecodeAttnScratch> own(scratch);
       float* buf = own.get();
-      for (int64_t i = b; i < e; ++i)
+      for (int64_t i = b; i < e; ++i) {
+        before(E{}, i / Hkv, i % Hkv);
         decode_item(a, i / Hkv, i % Hkv, buf, i + 1 < e ? (i + 1) / Hkv : -1, (i + 1) % Hkv);
+      }
     });
   });
   return out;
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
+                                  const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                  int64_t max_seq_len, double scale) {
+  return decode_attention_impl(q, kv_cache, block_table, seq_lens, max_seq_len, scale,
+                               [](auto, int64_t, int64_t) {});
+}
+
+// A decode step's rotary_embedding, reshape_and_cache and paged_decode_attention on its qkv
+// rows [T, q_size + 2 kv_size] (one request a row, one slot a row) in one pass: each attention
+// item (request b, KV head h) first rotates row b's query heads of group h and its key head h
+// in place and writes key and value head h into the cache, on the thread that then attends
+// with them. The same kernels on the same values as the three ops, so the same bits; what it
+// saves is two serial steps a layer on one thread (RoPE and the K/V write took 3.5 and 5-6 us
+// a layer of an int8 batch-1 step, mostly waiting on memory, while the other thread idled).
+at::Tensor decode_rope_cache_attention(const at::Tensor& qkv, int64_t q_size, int64_t kv_size,
+                                       const at::Tensor& positions, const at::Tensor& cos_sin_cache,
+                                       int64_t head_size, int64_t rot, at::Tensor& kv_cache,
+                                       const at::Tensor& slot_mapping, const at::Tensor& block_table,
+                                       const at::Tensor& seq_lens, int64_t max_seq_len, double scale) {
+  check_any_rows(qkv, "qkv");
+  const int64_t T = qkv.size(0), hkv = kv_size / head_size;
+  TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size && kv_size % head_size == 0 && q_size % kv_size == 0,
+              "qkv: [T, q_size + 2 kv_size] rows of whole heads");
+  TORCH_CHECK(positions.numel() == T && slot_mapping.numel() == T, "a position and a slot a row");
+  check_kv_cache(kv_cache, qkv);
+  TORCH_CHECK(kv_cache.size(3) == hkv && kv_cache.size(4) == head_size, "kv_cache: [2, blocks, block_size, Hkv, D]");
+  const int64_t* pos = checked_positions(positions, cos_sin_cache, rot);
+  const int64_t* slot = checked_slots(slot_mapping, kv_cache.size(1) * kv_cache.size(2));
+  const float* cs = cos_sin_cache.data_ptr<float>();
+  const int64_t group = q_size / kv_size, ld = qkv.stride(0), row = kv_size;  // cache row: Hkv x D
+  const int64_t v_plane = kv_cache.size(1) * kv_cache.size(2) * row;
+  at::Tensor q = qkv.narrow(1, 0, q_size).view({T, q_size / head_size, head_size});
+  return decode_attention_impl(
+      q, kv_cache, block_table, seq_lens, max_seq_len, scale, [&]<class E>(E, int64_t b, int64_t h) {
+        using V = typename E::T;
+        const auto rope = rope_kernel<E>();
+        V* r = data<E>(qkv) + b * ld;
+        V* k = r + q_size + h * head_size;
+        const float* c = cs + pos[b] * rot;
+        rope(r + h * group * head_size, group, head_size, rot, c);
+        rope(k, 1, head_size, rot, c);
+        V* kc = data<E>(kv_cache) + slot[b] * row + h * head_size;
+        std::memcpy(kc, k, head_size * sizeof(V));
+        std::memcpy(kc + v_plane, k + kv_size, head_size * sizeof(V));
+      });
 }
 
 // out[rows of request r] = causal attention of those query rows over the request's keys in the
@@ -828,9 +903,10 @@ at::Tensor attention_out_mlp(
   return out;
 }
 
-// A whole layer for a decode-only step: attention_in, the K/V rows into the cache
-// (reshape_and_cache), paged_decode_attention over every row, attention_out_mlp. Without a
-// residual (the first layer) x is the residual stream, updated in place.
+// A whole layer for a decode-only step: attention_in's norm and QKV projection, then
+// decode_rope_cache_attention (RoPE, the K/V rows into the cache, decode attention over every
+// row), attention_out_mlp. Without a residual (the first layer) x is the residual stream,
+// updated in place.
 at::Tensor decoder_layer_decode(
     const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& norm_weight,
     double eps, int64_t qkv_kind, const at::Tensor& qkv_w,
@@ -850,17 +926,13 @@ at::Tensor decoder_layer_decode(
   const int64_t T = x.size(0);
   TORCH_CHECK(block_table.size(0) == T && seq_lens.numel() == T,
               "decoder_layer_decode: one decode request a row");
-  at::Tensor qkv = attention_in(x, residual, norm_weight, eps, qkv_kind, qkv_w, qkv_scale,
-                                qkv_colsum, qkv_bias, qkv_n, q_size, kv_size, positions,
-                                cos_sin_cache, head_size, rot);
-  const int64_t hkv = kv_size / head_size;
-  reshape_and_cache(qkv.narrow(1, q_size, kv_size).view({T, hkv, head_size}),
-                    qkv.narrow(1, q_size + kv_size, kv_size).view({T, hkv, head_size}), kv_cache,
-                    slot_mapping);
-  at::Tensor attn = paged_decode_attention(
-      qkv.narrow(1, 0, q_size).view({T, q_size / head_size, head_size}), kv_cache, block_table,
-      seq_lens, max_seq_len, scale);
+  TORCH_CHECK(q_size + 2 * kv_size == qkv_n, "q_size + 2 * kv_size must be the qkv width");
   at::Tensor res = residual ? *residual : x;
+  const at::Tensor h = rms_norm_impl(x, residual ? &res : nullptr, norm_weight, eps);
+  const at::Tensor qkv = project(h, qkv_kind, qkv_w, qkv_scale, qkv_colsum, qkv_bias, qkv_n);
+  at::Tensor attn = decode_rope_cache_attention(qkv, q_size, kv_size, positions, cos_sin_cache,
+                                                head_size, rot, kv_cache, slot_mapping,
+                                                block_table, seq_lens, max_seq_len, scale);
   return attention_out_mlp(attn.view({T, q_size}), res, o_kind, o_w, o_scale, o_colsum, o_bias,
                            o_n, norm2_weight, eps2, gu_kind, gu_w, gu_scale, gu_colsum, gu_bias,
                            gu_n, down_kind, down_w, down_scale, down_colsum, down_bias, down_n);
@@ -886,6 +958,34 @@ struct DecodeStack : torch::CustomClassHolder {
     Projection qkv, o, gate_up, down;
   };
   std::vector<Layer> layers;
+
+  // What a layer's ops read besides the weights' panels and the step's rows, requested into
+  // the cache before the layer runs: its tensors' metadata (TensorImpl, StorageImpl), then the
+  // norms' weights and the projections' scales, column sums and biases. A step streams every
+  // weight through the caches, so each of these is a miss from memory by the next step, and
+  // the ops take them one after another (a projection's checks walk its tensors' metadata
+  // before any panel streams): each layer of an int8 batch-1 step waited on tens of them
+  // (both norms ~1.2 us faster a call, the int8 inputs' checks ~1 us, with this).
+  static void prefetch_layer(const Layer& l, const at::Tensor& cache) {
+    // Small tensors (read whole) first, then the large ones (their metadata only).
+    const at::Tensor* ts[20] = {&l.norm_w, &l.norm2_w};
+    int small = 2;
+    const Projection* ps[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
+    for (const Projection* p : ps)
+      for (const c10::optional<at::Tensor>* t : {&p->scale, &p->colsum, &p->bias})
+        if (*t) ts[small++] = &**t;
+    int n = small;
+    for (const Projection* p : ps) ts[n++] = &p->w;
+    ts[n++] = &l.cos_sin_cache;
+    ts[n++] = &cache;
+    auto lines = [](const void* p, int64_t bytes) {
+      for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(p) + b, _MM_HINT_T0);
+    };
+    for (int i = 0; i < n; ++i) lines(ts[i]->unsafeGetTensorImpl(), sizeof(c10::TensorImpl));
+    for (int i = 0; i < n; ++i)
+      lines(ts[i]->unsafeGetTensorImpl()->storage().unsafeGetStorageImpl(), sizeof(c10::StorageImpl));
+    for (int i = 0; i < small; ++i) lines(ts[i]->data_ptr(), ts[i]->nbytes());
+  }
 
   // tensors: per projection (qkv, o, gate_up, down) its weight, scale, colsum and bias, then
   // the two norms' weights and the RoPE table; ints: the projections' kinds and widths
@@ -923,6 +1023,7 @@ struct DecodeStack : torch::CustomClassHolder {
     c10::optional<at::Tensor> r = residual;
     for (size_t i = 0; i < layers.size(); ++i) {
       const Layer& l = layers[i];
+      prefetch_layer(l, kv_caches[i]);
       at::Tensor cache = kv_caches[i];
       at::Tensor out = decoder_layer_decode(
           h, r, l.norm_w, l.eps, l.qkv.kind, l.qkv.w, l.qkv.scale, l.qkv.colsum, l.qkv.bias, l.qkv.n,
