@@ -92,8 +92,7 @@ enum ScratchTag { kGemmAccScratch, kInt8XqScratch, kInt8ScaleScratch,
 // item writes its own outputs, so which thread runs it changes no result. An item that takes
 // a fifth argument gets the panel of the thread's next item (-1: none; a thread claims its next
 // run as it starts the last item of the current one), to prefetch it.
-// done() runs on each thread after its last item. A run is at least min_run items (see
-// stream_run).
+// done() runs on each thread after its last item.
 //
 // Split tail (split_panels > 0, a single row block): the first panels - split_panels panels
 // are whole items (all M rows), the last split_panels panels go in pieces of piece_rows rows,
@@ -101,7 +100,7 @@ enum ScratchTag { kGemmAccScratch, kInt8XqScratch, kInt8ScaleScratch,
 // memory once.
 template <class Acc, class Item, class Done = void (*)()>
 void for_gemm_items(int64_t M, int64_t N, Item&& item, Done&& done = [] {}, int64_t row_block = kRowBlock,
-                    int64_t split_panels = 0, int64_t piece_rows = 0, int64_t min_run = 1) {
+                    int64_t split_panels = 0, int64_t piece_rows = 0) {
   const int64_t panels = (N + kPanel - 1) / kPanel;
   const int64_t block = split_panels > 0 ? M : std::min(row_block, M);
   const int64_t whole = panels - split_panels;
@@ -117,7 +116,7 @@ void for_gemm_items(int64_t M, int64_t N, Item&& item, Done&& done = [] {}, int6
     return {m0, std::min(M, m0 + piece_rows), whole + j / pieces};
   };
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), total);
-  const int64_t run = std::min(std::max<int64_t>(min_run, total / (threads * 16)),
+  const int64_t run = std::min(std::max<int64_t>(1, total / (threads * 16)),
                                (total + threads - 1) / threads);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
@@ -144,20 +143,42 @@ void for_gemm_items(int64_t M, int64_t N, Item&& item, Done&& done = [] {}, int6
   });
 }
 
-// Items a run of a product of M rows takes, on panels of panel_bytes each: a product of one
-// row tile streams its weights from memory once, and a run of adjacent panels is one
-// sequential stream (items are panels in order). The hardware prefetchers draw more from
-// long streams: 2 threads reading 36 KB panels alternately drew 22 GB/s, in runs of four 26
-// (72 KB: 25; Zen 4). Larger products keep runs of one and are compute-bound.
-constexpr int64_t kStreamRunBytes = 128 << 10;
-int64_t stream_run(int64_t M, int64_t panel_bytes) {
-  return M <= kRowTile ? (kStreamRunBytes + panel_bytes - 1) / panel_bytes : 1;
+// A product of one row tile (M <= kRowTile rows; item(0, M, p, c) for every panel p), which
+// streams its weights from memory once: each thread owns an equal range of adjacent panels and
+// streams it in order, one run of memory; a thread done with its own range takes the next
+// panels of the others', one at a time, so the threads still end together when one of them
+// lost its core for a while. The hardware prefetchers draw more from long runs: runs of
+// 128 KB claimed from one counter (a thread's stream jumping every 128 KB) left the gate / up
+// product of an int8 batch-1 step 1.1x slower (Zen 4; the gate and up panels of an item are
+// two streams).
+template <class Acc, class Item>
+void for_stream_items(int64_t M, int64_t N, Item&& item) {
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), panels);
+  struct alignas(64) Range {
+    std::atomic<int64_t> next;
+    int64_t end;
+  };
+  std::unique_ptr<Range[]> ranges(new Range[threads]);
+  for (int64_t t = 0; t < threads; ++t) {
+    ranges[t].next.store(panels * t / threads, std::memory_order_relaxed);
+    ranges[t].end = panels * (t + 1) / threads;
+  }
+  // One index a thread; run inline (all indices at once) the loop still takes every range.
+  at::parallel_for(0, threads, 1, [&](int64_t t, int64_t) {
+    const ThreadScratch<Acc, kGemmAccScratch> c(M * kPanel);
+    for (int64_t k = 0; k < threads; ++k) {
+      Range& r = ranges[(t + k) % threads];
+      for (int64_t p; (p = r.next.fetch_add(1, std::memory_order_relaxed)) < r.end;) item(0, M, p, c.get());
+    }
+  });
 }
 
-// for_gemm_items over row tiles and panels of panel_bytes, in runs of stream_run.
+// for_gemm_items over row tiles and panels of panel_bytes; one row tile: for_stream_items.
 template <class Acc, class Item>
-void for_panel_items(int64_t M, int64_t N, int64_t panel_bytes, Item&& item) {
-  for_gemm_items<Acc>(M, N, item, [] {}, kRowBlock, 0, 0, stream_run(M, panel_bytes));
+void for_panel_items(int64_t M, int64_t N, Item&& item) {
+  if (M <= kRowTile) return for_stream_items<Acc>(M, N, item);
+  for_gemm_items<Acc>(M, N, item);
 }
 
 // Rows per parallel chunk so that a chunk is worth a thread hand-off (~32k elements).
@@ -237,7 +258,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<
       gemm_item_amx(a, m0, m1, p, c, next_p);
     });
   } else {
-    for_panel_items<float>(M, n, 2 * K * kPanel, [&](int64_t m0, int64_t m1, int64_t p, float* c) {
+    for_panel_items<float>(M, n, [&](int64_t m0, int64_t m1, int64_t p, float* c) {
       gemm_item(a, m0, m1, p, c);
     });
   }
@@ -265,7 +286,7 @@ at::Tensor linear_silu_mul(const at::Tensor& x, const at::Tensor& w,
       gemm_silu_item_amx(a, m0, m1, p, c, next_p);
     });
   } else {
-    for_panel_items<float>(M, n / 2, 2 * K * kPanel, [&](int64_t m0, int64_t m1, int64_t p, float* c) {
+    for_panel_items<float>(M, n / 2, [&](int64_t m0, int64_t m1, int64_t p, float* c) {
       gemm_silu_item(a, m0, m1, p, c);
     });
   }
@@ -319,8 +340,7 @@ at::Tensor linear_avx2(const at::Tensor& x, const at::Tensor& w, const c10::opti
     }
     GemmF32Args a{xf.data_ptr<float>(), M, K, xf.stride(0), w.data_ptr(),
                   bias ? bias->data_ptr() : nullptr, n, out.data_ptr(), out_fp32, out.stride(0)};
-    for_panel_items<float>(M, n, int64_t(sizeof(typename E::T)) * K * kPanel,
-                           [&](int64_t m0, int64_t m1, int64_t p, float* c) {
+    for_panel_items<float>(M, n, [&](int64_t m0, int64_t m1, int64_t p, float* c) {
       gemm_f32_item<typename E::T, E>(a, m0, m1, p, c);
     });
   });
@@ -400,7 +420,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
         });
       });
     } else {
-      for_panel_items<int32_t>(a.M, n, K_pad * kPanel, [&](int64_t m0, int64_t m1, int64_t p, int32_t* c) {
+      for_panel_items<int32_t>(a.M, n, [&](int64_t m0, int64_t m1, int64_t p, int32_t* c) {
         prefetch_int8_epilogue(a, p);
         if (vnni)
           gemm_int8_sums_vnni(a, m0, m1, p, c);
@@ -427,11 +447,11 @@ at::Tensor linear_int8_silu_mul(const at::Tensor& x, const at::Tensor& w, const 
                                 int64_t n) {
   check_any_rows(x, "x");
   TORCH_CHECK(int8_silu_fusable(x, n), "linear_int8_silu_mul: bf16 rows on AVX512-VNNI + BF16, n = 2 x a multiple of 64");
-  const int64_t M = x.size(0), K_pad = w.size(1) * 4;
+  const int64_t M = x.size(0);
   at::Tensor out = at::empty({M, n / 2}, x.options());
   if (M == 0) return out;
   const Int8Inputs in = int8_inputs(x, w, w_scale, colsum, bias, n, out, false);
-  for_panel_items<int32_t>(in.a.M, n / 2, 2 * K_pad * kPanel, [&](int64_t m0, int64_t m1, int64_t p, int32_t* c) {
+  for_panel_items<int32_t>(in.a.M, n / 2, [&](int64_t m0, int64_t m1, int64_t p, int32_t* c) {
     gemm_int8_silu_item(in.a, m0, m1, p, c);
   });
   return out;
