@@ -950,9 +950,21 @@ at::Tensor decoder_layer_decode(
   at::Tensor res = residual ? *residual : x;
   const at::Tensor h = rms_norm_impl(x, residual ? &res : nullptr, norm_weight, eps);
   const at::Tensor qkv = project(h, qkv_kind, qkv_w, qkv_scale, qkv_colsum, qkv_bias, qkv_n);
-  at::Tensor attn = decode_rope_cache_attention(qkv, q_size, kv_size, positions, cos_sin_cache,
-                                                head_size, rot, kv_cache, slot_mapping,
-                                                block_table, seq_lens, max_seq_len, scale);
+  at::Tensor attn;
+  if (positions.numel() == T && slot_mapping.numel() == T) {
+    attn = decode_rope_cache_attention(qkv, q_size, kv_size, positions, cos_sin_cache, head_size,
+                                       rot, kv_cache, slot_mapping, block_table, seq_lens,
+                                       max_seq_len, scale);
+  } else {  // rows without a slot (or a position): the three ops
+    at::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size);
+    rotary_embedding(positions, q, k, cos_sin_cache, head_size, rot);
+    const int64_t hkv = kv_size / head_size;
+    reshape_and_cache(k.view({T, hkv, head_size}),
+                      qkv.narrow(1, q_size + kv_size, kv_size).view({T, hkv, head_size}),
+                      kv_cache, slot_mapping);
+    attn = paged_decode_attention(q.view({T, q_size / head_size, head_size}), kv_cache,
+                                  block_table, seq_lens, max_seq_len, scale);
+  }
   return attention_out_mlp(attn.view({T, q_size}), res, o_kind, o_w, o_scale, o_colsum, o_bias,
                            o_n, norm2_weight, eps2, gu_kind, gu_w, gu_scale, gu_colsum, gu_bias,
                            gu_n, down_kind, down_w, down_scale, down_colsum, down_bias, down_n);
