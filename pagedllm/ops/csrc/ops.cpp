@@ -174,7 +174,7 @@ void for_stream_items(int64_t M, int64_t N, Item&& item) {
   });
 }
 
-// for_gemm_items over row tiles and panels of panel_bytes; one row tile: for_stream_items.
+// for_gemm_items over row blocks and panels; a product of one row tile: for_stream_items.
 template <class Acc, class Item>
 void for_panel_items(int64_t M, int64_t N, Item&& item) {
   if (M <= kRowTile) return for_stream_items<Acc>(M, N, item);
@@ -923,9 +923,9 @@ at::Tensor attention_out_mlp(
   return out;
 }
 
-// A whole layer for a decode-only step: attention_in's norm and QKV projection, then
-// decode_rope_cache_attention (RoPE, the K/V rows into the cache, decode attention over every
-// row), attention_out_mlp. Without a residual (the first layer) x is the residual stream,
+// A whole layer for a decode-only step (one request, one position and one slot a row):
+// attention_in's norm and QKV projection, then decode_rope_cache_attention (RoPE, the K/V rows
+// into the cache, decode attention over every row), attention_out_mlp. Without a residual (the first layer) x is the residual stream,
 // updated in place.
 at::Tensor decoder_layer_decode(
     const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& norm_weight,
@@ -946,25 +946,12 @@ at::Tensor decoder_layer_decode(
   const int64_t T = x.size(0);
   TORCH_CHECK(block_table.size(0) == T && seq_lens.numel() == T,
               "decoder_layer_decode: one decode request a row");
-  TORCH_CHECK(q_size + 2 * kv_size == qkv_n, "q_size + 2 * kv_size must be the qkv width");
   at::Tensor res = residual ? *residual : x;
   const at::Tensor h = rms_norm_impl(x, residual ? &res : nullptr, norm_weight, eps);
   const at::Tensor qkv = project(h, qkv_kind, qkv_w, qkv_scale, qkv_colsum, qkv_bias, qkv_n);
-  at::Tensor attn;
-  if (positions.numel() == T && slot_mapping.numel() == T) {
-    attn = decode_rope_cache_attention(qkv, q_size, kv_size, positions, cos_sin_cache, head_size,
-                                       rot, kv_cache, slot_mapping, block_table, seq_lens,
-                                       max_seq_len, scale);
-  } else {  // rows without a slot (or a position): the three ops
-    at::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size);
-    rotary_embedding(positions, q, k, cos_sin_cache, head_size, rot);
-    const int64_t hkv = kv_size / head_size;
-    reshape_and_cache(k.view({T, hkv, head_size}),
-                      qkv.narrow(1, q_size + kv_size, kv_size).view({T, hkv, head_size}),
-                      kv_cache, slot_mapping);
-    attn = paged_decode_attention(q.view({T, q_size / head_size, head_size}), kv_cache,
-                                  block_table, seq_lens, max_seq_len, scale);
-  }
+  const at::Tensor attn = decode_rope_cache_attention(
+      qkv, q_size, kv_size, positions, cos_sin_cache, head_size, rot, kv_cache, slot_mapping,
+      block_table, seq_lens, max_seq_len, scale);
   return attention_out_mlp(attn.view({T, q_size}), res, o_kind, o_w, o_scale, o_colsum, o_bias,
                            o_n, norm2_weight, eps2, gu_kind, gu_w, gu_scale, gu_colsum, gu_bias,
                            gu_n, down_kind, down_w, down_scale, down_colsum, down_bias, down_n);
