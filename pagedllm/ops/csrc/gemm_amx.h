@@ -156,15 +156,50 @@ struct AmxPrefetch {
   }
 };
 
+// A 32-row tile's epilogue run a few rows at each k-step of the next tile's products rather
+// than after them. Within one thread the tile unit and the vector units work side by side
+// only on work the core has in flight together: an epilogue after its tile (bias, rounding,
+// SiLU, the stores) left the tile unit idle, 30-45% of a 4,096-row product with K = 576
+// (the products ran at ~3 TFLOP/s without their epilogues, ~2 with them); spread over the
+// next tile's k-steps it runs while the tile products do (the 120 SmolLM2 products, same bits:
+// 1.11x at 64 and 512 rows, 1.15x at 2,048; scripts/cpu_ops_ab.py). The sums are double-
+// buffered: a tile's go to rows [32 b, 32 b + 32) of the scratch, b alternating, so the
+// scratch holds 64 rows (or the product's rows, when fewer). epi(m0, m1, i) finishes rows
+// [m0, m1), whose sums start at scratch row i; `unit` rows at a time (2: int8's byte rows go
+// in pairs).
+template <class Epi>
+struct AmxDeferred {
+  Epi& epi;
+  int64_t unit = 1;
+  int64_t m = 0, base = 0, r = 0, end = 0, per_step = 0;
+
+  // The tile of rows [m0, m0 + rows), sums at scratch row b0, to finish over `steps` k-steps.
+  void set(int64_t m0, int64_t rows, int64_t b0, int64_t steps) {
+    m = m0, base = b0, r = 0, end = rows;
+    const int64_t units = (rows + unit - 1) / unit;
+    per_step = steps > 0 ? (units + steps - 1) / steps * unit : rows;
+  }
+  inline void step() {
+    if (r >= end) return;
+    const int64_t e = std::min(end, r + per_step);
+    epi(m + r, m + e, base + r);
+    r = e;
+  }
+  void finish() {
+    if (r < end) epi(m + r, m + end, base + r);
+    r = end;
+  }
+};
+
 // c[rows][64] = x[rows, 0 .. kbytes) * panel over the same inputs, rows <= 32 in two halves
 // (TWO: the second half has rows). In bytes, both kinds are alike: 64 bytes of a row of x
 // (32 bf16 / 64 uint8 inputs) meet 16 k-groups of the panel (16 pairs / quads), 16 rows of
 // 256 bytes of which a B tile takes 64 (16 channels x 4 bytes); c holds 4-byte sums (fp32 /
 // int32), kPanel a row.
-template <bool TWO, bool INT8>
+template <bool TWO, bool INT8, class Hook>
 PAGEDLLM_AMX_TARGET static inline void amx_tile_rows(const char* x, int64_t ldx,
                                                      const char* panel, int64_t kbytes,
-                                                     void* c, AmxPrefetch& next) {
+                                                     void* c, AmxPrefetch& next, Hook& hook) {
   constexpr int64_t wstride = kPanel * 4, cstride = kPanel * 4;
   const char* x1 = x + kAmxRows * ldx;
   char* cb = static_cast<char*>(c);
@@ -189,6 +224,7 @@ PAGEDLLM_AMX_TARGET static inline void amx_tile_rows(const char* x, int64_t ldx,
         PAGEDLLM_AMX_DOT(2, 5, 6);
         PAGEDLLM_AMX_DOT(3, 5, 7);
       }
+      hook.step();
     }
     char* ch = cb + half * 32 * 4;
     _tile_stored(0, ch, cstride);
@@ -202,38 +238,49 @@ PAGEDLLM_AMX_TARGET static inline void amx_tile_rows(const char* x, int64_t ldx,
 
 #undef PAGEDLLM_AMX_DOT
 
-// c = rows (<= 32) of x x a panel over the first kbytes bytes of each row (a multiple of 64).
-template <bool INT8>
+// c = rows (<= 32) of x x a panel over the first kbytes bytes of each row (a multiple of 64);
+// hook.step() after each of its 2 kbytes / 64 k-steps.
+template <bool INT8, class Hook>
 PAGEDLLM_AMX_TARGET static inline void amx_tile(const char* x, int64_t ldx, const char* panel,
                                                 int64_t kbytes, int64_t rows, void* c,
-                                                AmxPrefetch& next) {
+                                                AmxPrefetch& next, Hook& hook) {
   if (kbytes == 0) return;
   const int rows0 = static_cast<int>(std::min(kAmxRows, rows));
   const int rows1 = static_cast<int>(rows - rows0);
   amx_configure(rows0, rows1);
   if (rows1 > 0)
-    amx_tile_rows<true, INT8>(x, ldx, panel, kbytes, c, next);
+    amx_tile_rows<true, INT8>(x, ldx, panel, kbytes, c, next, hook);
   else
-    amx_tile_rows<false, INT8>(x, ldx, panel, kbytes, c, next);
+    amx_tile_rows<false, INT8>(x, ldx, panel, kbytes, c, next, hook);
 }
 
 // Rows [m0, m1) x one panel on tiles, 32 rows at a time, over the first kbytes bytes of each
-// row of x (a multiple of 64). Each 32-row tile's sums land at the start of c (32 x kPanel)
-// and tail(m, rows, c) finishes those rows (the rest of K, the epilogue) while they are in
-// L1: finishing a whole item's rows at its end read them back from L2 (448 rows: 112 KB),
-// 3-9% of a prefill's products. The panel_bytes at next_panel (the thread's next item's;
-// null: none) are prefetched meanwhile.
-template <bool INT8, class Tail>
+// row of x (a multiple of 64). Each 32-row tile's sums land in c (kPanel a row; two 32-row
+// buffers in turn, see AmxDeferred) and tail(m, rows, cm) adds the rest of K to them (cm: the
+// tile's buffer); epi(r0, r1, i) then finishes rows [r0, r1) (sums at row i of c) during the
+// next tile's k-steps, `unit` rows at a time. Finishing a tile's rows soon after its products
+// finds them in L1: finishing a whole item's rows at its end read them back from L2 (448 rows:
+// 112 KB), 3-9% of a prefill's products. The panel_bytes at next_panel (the thread's next
+// item's; null: none) are prefetched meanwhile.
+template <bool INT8, class Tail, class Epi>
 PAGEDLLM_AMX_TARGET static inline void amx_rows(const char* x, int64_t ldx, const char* panel,
                                                 int64_t kbytes, int64_t m0, int64_t m1, void* c,
                                                 const char* next_panel, int64_t panel_bytes,
-                                                Tail&& tail) {
+                                                Tail&& tail, Epi&& epi, int64_t unit) {
   AmxPrefetch next(next_panel, panel_bytes, m1 - m0, kbytes);
+  AmxDeferred<Epi> pending{epi, unit};
+  char* cb = static_cast<char*>(c);
+  int64_t b0 = 0;  // the scratch row of this tile's sums: 0 or 32 in turn
   for (int64_t m = m0; m < m1; m += 2 * kAmxRows) {
     const int64_t rows = std::min(2 * kAmxRows, m1 - m);
-    amx_tile<INT8>(x + m * ldx, ldx, panel, kbytes, rows, c, next);
-    tail(m, rows, c);
+    void* cm = cb + b0 * kPanel * 4;
+    amx_tile<INT8>(x + m * ldx, ldx, panel, kbytes, rows, cm, next, pending);
+    pending.finish();
+    tail(m, rows, cm);
+    pending.set(m, rows, b0, 2 * (kbytes / 64));
+    b0 = 2 * kAmxRows - b0;
   }
+  pending.finish();
 }
 
 // Rows [m, m + rows)'s sums c over a bf16 panel: the last K % 32 inputs, on gemm.h's
@@ -259,15 +306,16 @@ PAGEDLLM_AMX_TARGET static void gemm_item_amx(const GemmArgs& a, int64_t m0, int
                   next_p < 0 ? nullptr : reinterpret_cast<const char*>(a.w + next_p * panel_elems),
                   panel_elems * 2,
                   [&](int64_t m, int64_t rows, void* cm) {
-                    float* cf = static_cast<float*>(cm);
-                    amx_k_tail(a, m, rows, panel, cf);
-                    gemm_epilogue(a, m, m + rows, p, cf);
-                  });
+                    amx_k_tail(a, m, rows, panel, static_cast<float*>(cm));
+                  },
+                  [&](int64_t r0, int64_t r1, int64_t i) { gemm_epilogue(a, r0, r1, p, c + i * kPanel); },
+                  1);
 }
 
 // gemm_int8.h's int32 sums on AMX tiles (vpdpbusd's products and sums, so the same numbers):
 // the last K_pad % 64 inputs are added on the AVX512-VNNI kernel; epilogue(r0, r1, c) then
-// takes rows [r0, r1)'s sums (c: row r0's), up to 32 rows at a time.
+// takes rows [r0, r1)'s sums (c: row r0's), a few byte-row pairs at a time during the next
+// tile's products (amx_rows).
 // next_p: the panel of the thread's next item (-1: none), prefetched.
 template <class Epilogue>
 PAGEDLLM_AMX_TARGET static void gemm_int8_sums_amx(const Int8GemmArgs& a, int64_t m0,
@@ -287,8 +335,8 @@ PAGEDLLM_AMX_TARGET static void gemm_int8_sums_amx(const Int8GemmArgs& a, int64_
                                            a.xq + (m + r) * a.ldx + K64, a.ldx,
                                            panel + K64 * kPanel, (kbytes - K64) / 4,
                                            ci + r * kPanel, K64 > 0);
-                   epilogue(m, m + rows, ci);
-                 });
+                 },
+                 [&](int64_t r0, int64_t r1, int64_t i) { epilogue(r0, r1, c + i * kPanel); }, 2);
 }
 
 }  // namespace pagedllm

@@ -49,11 +49,13 @@ PAGEDLLM_BF16_TARGET static void gemm_silu_item(const GemmArgs& a, int64_t m0, i
   silu_epilogue(a, m0, m1, p, c, cu);
 }
 
-// The same on AMX tiles, 32 rows at a time as gemm_item_amx; next_p: the output panel of the
-// thread's next item (-1: none), whose gate and up panels are prefetched.
+// The same on AMX tiles, 32 rows at a time as gemm_item_amx, each tile's epilogue run during
+// the next tile's products (AmxDeferred; gate sums in c, up sums in cu, two 32-row buffers
+// each); next_p: the output panel of the thread's next item (-1: none), whose gate and up
+// panels are prefetched.
 PAGEDLLM_AMX_TARGET static void gemm_silu_item_amx(const GemmArgs& a, int64_t m0, int64_t m1,
                                                    int64_t p, float* c, int64_t next_p) {
-  alignas(64) float cu[2 * kAmxRows * kPanel];
+  alignas(64) float cu[4 * kAmxRows * kPanel];
   const int64_t K32 = a.K / kAmxK * kAmxK, kbytes = K32 * 2, ldx = a.ldx * 2;
   const int64_t panel_elems = a.K * kPanel, up = a.N / 2 / kPanel;
   const uint16_t* gate_panel = a.w + p * panel_elems;
@@ -63,14 +65,23 @@ PAGEDLLM_AMX_TARGET static void gemm_silu_item_amx(const GemmArgs& a, int64_t m0
   AmxPrefetch next_gate(next ? at(next) : nullptr, panel_elems * 2, m1 - m0, kbytes);
   AmxPrefetch next_up(next ? at(next + up * panel_elems) : nullptr, panel_elems * 2, m1 - m0, kbytes);
   const char* x = reinterpret_cast<const char*>(a.x);
+  auto epi = [&](int64_t r0, int64_t r1, int64_t i) {
+    silu_epilogue(a, r0, r1, p, c + i * kPanel, cu + i * kPanel);
+  };
+  AmxDeferred<decltype(epi)> pending{epi, 1};
+  int64_t b0 = 0;  // the buffers' row of this tile's sums: 0 or 32 in turn
   for (int64_t m = m0; m < m1; m += 2 * kAmxRows) {
     const int64_t rows = std::min(2 * kAmxRows, m1 - m);
-    amx_tile<false>(x + m * ldx, ldx, at(gate_panel), kbytes, rows, c, next_gate);
-    amx_tile<false>(x + m * ldx, ldx, at(up_panel), kbytes, rows, cu, next_up);
-    amx_k_tail(a, m, rows, gate_panel, c);
-    amx_k_tail(a, m, rows, up_panel, cu);
-    silu_epilogue(a, m, m + rows, p, c, cu);
+    float *cg = c + b0 * kPanel, *cv = cu + b0 * kPanel;
+    amx_tile<false>(x + m * ldx, ldx, at(gate_panel), kbytes, rows, cg, next_gate, pending);
+    amx_tile<false>(x + m * ldx, ldx, at(up_panel), kbytes, rows, cv, next_up, pending);
+    pending.finish();
+    amx_k_tail(a, m, rows, gate_panel, cg);
+    amx_k_tail(a, m, rows, up_panel, cv);
+    pending.set(m, rows, b0, 4 * (kbytes / 64));
+    b0 = 2 * kAmxRows - b0;
   }
+  pending.finish();
 }
 
 // int8: one projection value per lane of columns n .. n + 15 of activation row m from its
