@@ -7,7 +7,11 @@ Prints each engine's median milliseconds a token and the median of the per-round
 (bf16 time / int8 time). On a machine whose speed swings from one minute to the next,
 alternating in one process compares the two under the same conditions.
 
-    python scripts/int8_speedup.py MODEL_DIR [--rounds 9]
+    python scripts/int8_speedup.py MODEL_DIR [--rounds 9] [--row-stream]
+
+`--row-stream` compares instead one int8 engine with and without the one-row int8 kernel's
+non-temporal prefetch (the `cpu_int8_row_stream` switch, flipped between its runs): the ratio is
+then the time without it / the time with it.
 """
 
 from __future__ import annotations
@@ -22,14 +26,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model")
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument(
+        "--row-stream", action="store_true", help="int8 with and without the row stream"
+    )
     args = parser.parse_args()
     os.environ["PAGEDLLM_ENABLE_MULTIPROCESSING"] = "0"
+    import torch
+
     from pagedllm import LLM, SamplingParams
 
-    engines = {
-        name: LLM(model=args.model, quantization=q, kv_cache_memory_bytes=1 << 30)
-        for name, q in (("bf16", None), ("int8", "int8"))
-    }
+    kinds = (("bf16", None), ("int8", "int8"))
+    if args.row_stream:
+        kinds = (("int8, no stream", "int8"), ("int8, stream", "int8"))
+    built: dict[str | None, LLM] = {}  # one engine a quantization
+    engines = {}
+    for name, q in kinds:
+        if q not in built:
+            built[q] = LLM(model=args.model, quantization=q, kv_cache_memory_bytes=1 << 30)
+        engines[name] = built[q]
+    # name -> the row stream's setting for its runs (None: the CPU's default).
+    stream = {name: (name == "int8, stream") if args.row_stream else None for name in engines}
     tokens = 128
     long, short = (
         SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (1 + tokens, 1)
@@ -38,20 +54,24 @@ def main() -> None:
     for llm in engines.values():
         llm.generate(prompt, long, use_tqdm=False)  # warm-up
 
-    def seconds(llm, params) -> float:
+    def seconds(name: str, params) -> float:
+        llm = engines[name]
+        if stream[name] is not None:
+            torch.ops.pagedllm.cpu_int8_row_stream(stream[name])
         start = time.perf_counter()
         llm.generate(prompt, params, use_tqdm=False)
         return time.perf_counter() - start
 
     ms: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(args.rounds):
-        for name, llm in engines.items():
-            ms[name].append((seconds(llm, long) - seconds(llm, short)) / tokens * 1e3)
-    ratios = [b / i for b, i in zip(ms["bf16"], ms["int8"])]
+        for name in engines:
+            ms[name].append((seconds(name, long) - seconds(name, short)) / tokens * 1e3)
+    base, new = engines
+    ratios = [b / i for b, i in zip(ms[base], ms[new])]
     print(
-        f"bf16 {statistics.median(ms['bf16']):.2f} ms a token, "
-        f"int8 {statistics.median(ms['int8']):.2f} ms a token, "
-        f"int8 speed-up {statistics.median(ratios):.3f}x "
+        f"{base} {statistics.median(ms[base]):.2f} ms a token, "
+        f"{new} {statistics.median(ms[new]):.2f} ms a token, "
+        f"{new} speed-up {statistics.median(ratios):.3f}x "
         f"(rounds {min(ratios):.2f} .. {max(ratios):.2f})"
     )
 
