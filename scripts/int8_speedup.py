@@ -35,29 +35,27 @@ def main() -> None:
 
     from pagedllm import LLM, SamplingParams
 
-    kinds = (("bf16", None), ("int8", "int8"))
+    def engine(quantization: str | None) -> LLM:
+        return LLM(model=args.model, quantization=quantization, kv_cache_memory_bytes=1 << 30)
+
+    # name -> (engine, the row stream's setting for its runs; None: the CPU's default)
     if args.row_stream:
-        kinds = (("int8, no stream", "int8"), ("int8, stream", "int8"))
-    built: dict[str | None, LLM] = {}  # one engine a quantization
-    engines = {}
-    for name, q in kinds:
-        if q not in built:
-            built[q] = LLM(model=args.model, quantization=q, kv_cache_memory_bytes=1 << 30)
-        engines[name] = built[q]
-    # name -> the row stream's setting for its runs (None: the CPU's default).
-    stream = {name: (name == "int8, stream") if args.row_stream else None for name in engines}
+        int8 = engine("int8")
+        engines = {"int8, no stream": (int8, False), "int8, stream": (int8, True)}
+    else:
+        engines = {"bf16": (engine(None), None), "int8": (engine("int8"), None)}
     tokens = 128
     long, short = (
         SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (1 + tokens, 1)
     )
     prompt = [{"prompt_token_ids": list(range(100, 228))}]
-    for llm in engines.values():
+    for llm, _ in engines.values():
         llm.generate(prompt, long, use_tqdm=False)  # warm-up
 
     def seconds(name: str, params) -> float:
-        llm = engines[name]
-        if stream[name] is not None:
-            torch.ops.pagedllm.cpu_int8_row_stream(stream[name])
+        llm, stream = engines[name]
+        if stream is not None:
+            torch.ops.pagedllm.cpu_int8_row_stream(stream)
         start = time.perf_counter()
         llm.generate(prompt, params, use_tqdm=False)
         return time.perf_counter() - start

@@ -155,6 +155,38 @@ def test_linear_bf16_rows_do_not_depend_on_their_batch(k):
         assert torch.equal(ops.linear(x[7:8], panels, None, 200, True), full[7:8])
 
 
+@pytest.mark.skipif(
+    ops is None or not (ops.cpu_has_avx512_bf16() and ops.cpu_has_avx512_vnni()),
+    reason="no AVX512-BF16 + VNNI on this CPU",
+)
+@pytest.mark.parametrize("k", [576, 770])
+def test_products_of_many_row_tiles_are_those_of_one_tile(k, amx_allowed):
+    """Rows in an item of many 32-row tiles (on AMX each tile's epilogue runs during the next
+    tile's products, the sums double-buffered) get the bits that the same rows get as a
+    product of one tile alone: plain bf16 products with a bias, either output dtype, gate /
+    up with SiLU x mul, and int8 (W8A16, byte rows in pairs); K with and without a tail."""
+    g = torch.Generator().manual_seed(k)
+    m, n = 600, 960  # 600 rows: a row block of many tiles, then a shorter one
+    x = torch.randn(m, k, generator=g).to(BF16)
+    w = (torch.randn(2 * n, k, generator=g) * 0.1).to(BF16)
+    bias = torch.randn(2 * n, generator=g).to(BF16)
+    panels, gate_up = to_panels(w[:n]), to_panels(w)
+    q, scale = quantize_rows(w[:n].float())
+    qpanels = to_panels(q)
+    colsum = F.pad(q.sum(dim=1, dtype=torch.int32), (0, qpanels.shape[0] * 64 - n))
+    products = (
+        lambda rows: ops.linear(rows, panels, bias[:n], n, False),
+        lambda rows: ops.linear(rows, panels, bias[:n], n, True),
+        lambda rows: ops.linear_silu_mul(rows, gate_up, bias, 2 * n),
+        lambda rows: ops.linear_int8(rows, qpanels, scale, colsum, bias[:n], n, False),
+    )
+    for product in products:
+        full = product(x)
+        for start in range(0, m, 32):
+            stop = min(m, start + 32)
+            assert torch.equal(product(x[start:stop]), full[start:stop])
+
+
 @needs_bf16
 @pytest.mark.parametrize("m", [1, 5, 7, 64, 130])
 @pytest.mark.parametrize("n,k", [(100, 96), (960, 576), (4160, 64)])

@@ -191,6 +191,25 @@ struct AmxDeferred {
   }
 };
 
+// Rows [m0, m1) 32 at a time with AmxDeferred's pipeline: products(m, rows, b0, pending) puts
+// tile [m, m + rows)'s whole sums (K tail included) in the scratch buffers at row b0, running
+// pending.step() at its k-steps (`steps` of them a tile); epi, `unit` rows at a time, finishes
+// each tile's rows during the next tile's products, the last tile's at the end.
+template <class Epi, class Products>
+static inline void amx_deferred_tiles(int64_t m0, int64_t m1, int64_t steps, int64_t unit,
+                                      Epi& epi, Products&& products) {
+  AmxDeferred<Epi> pending{epi, unit};
+  int64_t b0 = 0;  // the scratch row of this tile's sums: 0 or 32 in turn
+  for (int64_t m = m0; m < m1; m += 2 * kAmxRows) {
+    const int64_t rows = std::min(2 * kAmxRows, m1 - m);
+    products(m, rows, b0, pending);
+    pending.finish();
+    pending.set(m, rows, b0, steps);
+    b0 = 2 * kAmxRows - b0;
+  }
+  pending.finish();
+}
+
 // c[rows][64] = x[rows, 0 .. kbytes) * panel over the same inputs, rows <= 32 in two halves
 // (TWO: the second half has rows). In bytes, both kinds are alike: 64 bytes of a row of x
 // (32 bf16 / 64 uint8 inputs) meet 16 k-groups of the panel (16 pairs / quads), 16 rows of
@@ -268,19 +287,13 @@ PAGEDLLM_AMX_TARGET static inline void amx_rows(const char* x, int64_t ldx, cons
                                                 const char* next_panel, int64_t panel_bytes,
                                                 Tail&& tail, Epi&& epi, int64_t unit) {
   AmxPrefetch next(next_panel, panel_bytes, m1 - m0, kbytes);
-  AmxDeferred<Epi> pending{epi, unit};
   char* cb = static_cast<char*>(c);
-  int64_t b0 = 0;  // the scratch row of this tile's sums: 0 or 32 in turn
-  for (int64_t m = m0; m < m1; m += 2 * kAmxRows) {
-    const int64_t rows = std::min(2 * kAmxRows, m1 - m);
-    void* cm = cb + b0 * kPanel * 4;
-    amx_tile<INT8>(x + m * ldx, ldx, panel, kbytes, rows, cm, next, pending);
-    pending.finish();
-    tail(m, rows, cm);
-    pending.set(m, rows, b0, 2 * (kbytes / 64));
-    b0 = 2 * kAmxRows - b0;
-  }
-  pending.finish();
+  amx_deferred_tiles(m0, m1, 2 * (kbytes / 64), unit, epi,
+                     [&](int64_t m, int64_t rows, int64_t b0, auto& pending) {
+                       void* cm = cb + b0 * kPanel * 4;
+                       amx_tile<INT8>(x + m * ldx, ldx, panel, kbytes, rows, cm, next, pending);
+                       tail(m, rows, cm);
+                     });
 }
 
 // Rows [m, m + rows)'s sums c over a bf16 panel: the last K % 32 inputs, on gemm.h's

@@ -68,20 +68,15 @@ PAGEDLLM_AMX_TARGET static void gemm_silu_item_amx(const GemmArgs& a, int64_t m0
   auto epi = [&](int64_t r0, int64_t r1, int64_t i) {
     silu_epilogue(a, r0, r1, p, c + i * kPanel, cu + i * kPanel);
   };
-  AmxDeferred<decltype(epi)> pending{epi, 1};
-  int64_t b0 = 0;  // the buffers' row of this tile's sums: 0 or 32 in turn
-  for (int64_t m = m0; m < m1; m += 2 * kAmxRows) {
-    const int64_t rows = std::min(2 * kAmxRows, m1 - m);
-    float *cg = c + b0 * kPanel, *cv = cu + b0 * kPanel;
-    amx_tile<false>(x + m * ldx, ldx, at(gate_panel), kbytes, rows, cg, next_gate, pending);
-    amx_tile<false>(x + m * ldx, ldx, at(up_panel), kbytes, rows, cv, next_up, pending);
-    pending.finish();
-    amx_k_tail(a, m, rows, gate_panel, cg);
-    amx_k_tail(a, m, rows, up_panel, cv);
-    pending.set(m, rows, b0, 4 * (kbytes / 64));
-    b0 = 2 * kAmxRows - b0;
-  }
-  pending.finish();
+  amx_deferred_tiles(m0, m1, 4 * (kbytes / 64), 1, epi,
+                     [&](int64_t m, int64_t rows, int64_t b0, auto& pending) {
+                       const char* xm = x + m * ldx;
+                       float *cg = c + b0 * kPanel, *cv = cu + b0 * kPanel;
+                       amx_tile<false>(xm, ldx, at(gate_panel), kbytes, rows, cg, next_gate, pending);
+                       amx_tile<false>(xm, ldx, at(up_panel), kbytes, rows, cv, next_up, pending);
+                       amx_k_tail(a, m, rows, gate_panel, cg);
+                       amx_k_tail(a, m, rows, up_panel, cv);
+                     });
 }
 
 // int8: one projection value per lane of columns n .. n + 15 of activation row m from its
