@@ -6,8 +6,11 @@ in-process `LLM` generating 64 x 128 in / 64 out at temperature 1, the draw swit
 the two every run (alternated, 6 runs each), timing the model runner's `_sample_tokens` (the
 LM head and the draw) and the whole `generate`. Runs under the engine process's malloc
 settings (`spawn.ENGINE_GLIBC_TUNABLES`: large temporaries reused, not faulted in afresh).
+`--top-p P`: every row with top_p = P as well, so the native side is the top-p rejection
+rounds (`ops.native_random_sample_top_p`, one `sample_rows_top_p` call a round) and the
+PyTorch side `random_sample_top_p` after the same ops.
 
-    python scripts/cpu_sampling.py [--rows 1 8 64] [--engine .demo-model/SmolLM2-135M-Instruct]
+    python scripts/cpu_sampling.py [--rows 1 8 64] [--top-p 0.95] [--engine .demo-model/SmolLM2-135M-Instruct]
 """
 
 from __future__ import annotations
@@ -35,22 +38,28 @@ def _torch_draw(sampler, logits, metadata):
 
 
 def _native_draw(native, logits, metadata):
+    if metadata.top_p is not None:
+        from pagedllm.sample import ops
+
+        return ops.native_random_sample_top_p(
+            native, logits, metadata.temperature, metadata.top_p, {}
+        )
     return native.sample_rows(logits, metadata.temperature, torch.rand(logits.shape[0]))
 
 
-def ops_figures(rows: list[int], vocab: int) -> None:
+def ops_figures(rows: list[int], vocab: int, top_p: float) -> None:
     from pagedllm.sample import ops
     from pagedllm.sample.metadata import SamplingMetadata
     from pagedllm.sample.sampler import Sampler
     from pagedllm.sampling_params import SamplingParams
 
-    print("| rows | PyTorch ops | native sample_rows | ratio |")
+    kind = "sample_rows" if top_p == 1.0 else f"top-p {top_p} rounds"
+    print(f"| rows | PyTorch ops | native {kind} | ratio |")
     print("|---|---|---|---|")
     for b in rows:
         logits = torch.randn(b, vocab) * 3
-        metadata = SamplingMetadata.build(
-            [SamplingParams(temperature=1.0)] * b, [[1]] * b, [[]] * b, [None] * b, vocab, "cpu"
-        )
+        params = [SamplingParams(temperature=1.0, top_p=top_p)] * b
+        metadata = SamplingMetadata.build(params, [[1]] * b, [[]] * b, [None] * b, vocab, "cpu")
         native = ops.native_sampling(logits)
         assert native is not None, "no native sampling on this CPU"
         # As the sampler calls each: the PyTorch draw on its own copy of the logits.
@@ -69,7 +78,7 @@ def ops_figures(rows: list[int], vocab: int) -> None:
         )
 
 
-def engine_figures(model: str) -> None:
+def engine_figures(model: str, top_p: float) -> None:
     os.environ["PAGEDLLM_ENABLE_MULTIPROCESSING"] = "0"
     from pagedllm import LLM, SamplingParams
     from pagedllm.sample import ops
@@ -90,7 +99,7 @@ def engine_figures(model: str) -> None:
 
     runner._sample_tokens = timed
     native = ops.native_sampling
-    params = SamplingParams(max_tokens=64, temperature=1.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=64, temperature=1.0, top_p=top_p, ignore_eos=True)
     rng = random.Random(1)
     llm.generate([{"prompt_token_ids": [5] * 16}], params, use_tqdm=False)
     runs: dict[str, list[tuple[float, float]]] = {"torch": [], "native": []}
@@ -121,11 +130,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--vocab", type=int, default=49152)
+    p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--engine", metavar="MODEL", default=None)
     args = p.parse_args()
-    ops_figures(args.rows, args.vocab)
+    ops_figures(args.rows, args.vocab, args.top_p)
     if args.engine:
-        engine_figures(args.engine)
+        engine_figures(args.engine, args.top_p)
 
 
 if __name__ == "__main__":

@@ -320,6 +320,48 @@ def _inverse_cdf_draw(
     return (first + _search_cdf(values.cumsum(dim=-1), u - before)).squeeze_(1), total
 
 
+def _rejected_generators(
+    generators: dict[int, torch.Generator], rejected: torch.Tensor
+) -> dict[int, torch.Generator]:
+    """The generators of the `rejected [R]` rows (indices into the current rows), renumbered by
+    their position among them."""
+    position = {row: i for i, row in enumerate(rejected.tolist())}
+    return {position[r]: g for r, g in generators.items() if r in position}
+
+
+def native_random_sample_top_p(
+    native,
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    generators: dict[int, torch.Generator],
+) -> torch.Tensor:
+    """`random_sample_top_p` of the tempered softmax of `logits [B, V]` (fp32 CPU rows, as
+    `native_sampling` takes them; temperature [B], top_p [B]) -> [B] int64, each round one
+    native `sample_rows_top_p` call: the row's weights exp((l - max) / T), the draw from the
+    support with one uniform, the mass strictly ahead of the drawn token against p times the
+    row's total (ops/csrc/sampling.h). The same rounds as `random_sample_top_p`, each drawing
+    one uniform a row still drawing as it does, so for the same uniforms it draws the same
+    tokens (but where a uniform or a mass falls within fp32 rounding of a boundary). Later
+    rounds take the few rejected rows. `logits` is not modified; rows at temperature 0 get 0."""
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    bound = torch.full_like(temperature, -1.0)  # < 0: the whole row is the support
+    out = None
+    while True:
+        u = uniform(rows.numel(), generators, logits.device)
+        tokens, bound = native.sample_rows_top_p(logits, temperature, top_p, u, bound)
+        if out is None:
+            out = tokens
+        else:
+            out[rows] = tokens
+        rejected = (bound >= 0).nonzero().squeeze_(1)  # host sync
+        if rejected.numel() == 0:
+            return out
+        rows, bound = rows[rejected], bound[rejected]
+        logits, temperature, top_p = logits[rejected], temperature[rejected], top_p[rejected]
+        generators = _rejected_generators(generators, rejected)
+
+
 def random_sample_top_p(
     weights: torch.Tensor, top_p: torch.Tensor, generators: dict[int, torch.Generator]
 ) -> torch.Tensor:
@@ -359,5 +401,4 @@ def random_sample_top_p(
         if rejected.numel() == 0:
             return out
         weights, rows, limit = above[rejected], rows[rejected], limit[rejected]
-        position = {row: i for i, row in enumerate(rejected.tolist())}
-        generators = {position[r]: g for r, g in generators.items() if r in position}
+        generators = _rejected_generators(generators, rejected)

@@ -122,9 +122,96 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     assert torch.equal(part, whole[2:4])
 
 
+def _nucleus(weights: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Reference (float64): the nucleus-renormalized distribution, a token kept when the mass
+    strictly more probable than it is < top_p (ties with the last kept one kept)."""
+    probs = weights.double() / weights.double().sum()
+    ahead = torch.stack([probs[probs > q].sum() for q in probs])
+    kept = probs * (ahead < top_p) if top_p < 1.0 else probs
+    return kept / kept.sum()
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.3, 0.62, 0.95, 1.0])
+def test_native_top_p_matches_the_nucleus_distribution(top_p):
+    """Eight tokens with weight across three chunks of a 700-token row (the last chunk
+    partial), a tie and the row's last token among them, the rest masked: the native rounds
+    draw the nucleus' law."""
+    torch.manual_seed(0)
+    vocab, n = 700, 20000
+    ids = [3, 255, 256, 300, 511, 512, 600, 699]
+    weights = torch.tensor([3.0, 1.0, 2.5, 0.5, 2.0, 1.0, 0.125, 0.25])  # a tie at 1.0
+    row = torch.full((vocab,), NEG_INF)
+    row[ids] = weights.log() * 0.8  # at T = 0.8: weights exp(l / T) as above
+    draws = ops.native_random_sample_top_p(
+        native, row.repeat(n, 1), torch.full((n,), 0.8), torch.full((n,), top_p), {}
+    )
+    expected = torch.zeros(vocab, dtype=torch.float64)
+    expected[ids] = _nucleus(weights, top_p)
+    assert set(draws.tolist()) <= set(expected.nonzero().flatten().tolist())
+    assert chi_square(draws, expected) < CHI2_999[max(1, int((expected > 0).sum()) - 1)]
+
+
+def test_native_top_p_makes_the_pytorch_rounds_draws():
+    """Flat rows of a 4,000-token vocabulary (nuclei of thousands of tokens; p = 0.2 needs
+    several rejection rounds), p disabled on some rows, greedy rows among them: with the same
+    seeded generators the native rounds draw the tokens `random_sample_top_p` draws from the
+    PyTorch weights (but where rounding decides), never outside a row's nucleus, and a seeded
+    row draws the same whatever shares its batch."""
+    g = torch.Generator().manual_seed(5)
+    rows, vocab = 36, 4000
+    logits = torch.randn(rows, vocab, generator=g) * 0.5
+    top_p = torch.tensor([0.9, 1.0, 0.2, 0.5] * (rows // 4))
+    temperature = torch.full((rows,), 0.9)
+    temperature[::9] = 0.0
+
+    def generators(seeds):
+        return {i: torch.Generator().manual_seed(s) for i, s in enumerate(seeds)}
+
+    seeds = [1000 + i for i in range(rows)]
+    got = ops.native_random_sample_top_p(native, logits, temperature, top_p, generators(seeds))
+    t = torch.where(temperature > 0, temperature, 1.0)[:, None]
+    weights = (logits / t - (logits / t).amax(1, keepdim=True)).exp()
+    want = ops.random_sample_top_p(weights, top_p, generators(seeds))
+    drawn = temperature > 0
+    assert (got[drawn] == want[drawn]).float().mean() >= 0.95
+    assert (got[~drawn] == 0).all()
+    for r in drawn.nonzero().flatten().tolist():
+        assert _nucleus(weights[r], top_p[r].item())[got[r]] > 0, r
+    part = [3, 5, 6]
+    alone = ops.native_random_sample_top_p(
+        native,
+        logits[part].clone(),
+        temperature[part].clone(),
+        top_p[part].clone(),
+        generators([seeds[i] for i in part]),
+    )
+    assert torch.equal(alone, got[part])
+
+
+def test_sampler_takes_the_native_top_p_rounds_for_top_p_alone(monkeypatch):
+    """top-p alone goes native (the logits left unchanged, tokens only from the nucleus);
+    with top-k or min-p as well the PyTorch draw runs."""
+    vocab, n = 1024, 400
+    logits = torch.randn(vocab).repeat(n, 1)
+    before = logits.clone()
+    probs, order = torch.softmax(logits[0], dim=-1).sort(descending=True)
+    nucleus = set(order[(probs.cumsum(0) - probs) < 0.05].tolist())
+    calls = []
+    rounds = ops.native_random_sample_top_p
+    monkeypatch.setattr(ops, "native_random_sample_top_p", lambda *a: calls.append(1) or rounds(*a))
+    drawn = Sampler()(logits, _metadata([SamplingParams(top_p=0.05)] * n, vocab)).sampled_token_ids
+    assert calls and set(drawn.tolist()) <= nucleus and torch.equal(logits, before)
+    calls.clear()
+    for extra in ({"top_k": 50}, {"min_p": 0.01}):
+        metadata = _metadata([SamplingParams(top_p=0.05, **extra)] * n, vocab)
+        assert set(Sampler()(logits, metadata).sampled_token_ids.tolist()) <= nucleus
+    assert not calls
+
+
 def test_truncation_and_batch_invariance_keep_the_pytorch_draw(monkeypatch):
-    """top-k / top-p / min-p rows and batch-invariant mode draw with the PyTorch ops (the
-    native draw has no truncation); only fp32 rows of two chunks or more go native."""
+    """top-k / top-p / min-p rows draw only kept tokens (top-p alone on the native rounds, the
+    others with the PyTorch ops); batch-invariant mode keeps the PyTorch draw; only fp32 rows
+    of two chunks or more go native."""
     vocab, n = 1024, 400
     logits = torch.randn(vocab).repeat(n, 1)
     row = logits[0]

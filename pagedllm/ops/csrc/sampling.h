@@ -30,7 +30,7 @@ constexpr float kSampleExpFloor = -87.3f;
 // chunk's weight sum, and one chunk's weights.
 #define PAGEDLLM_SAMPLE_OPS(NAME, TARGET, VEC, W, SET1, LOAD, MAXF, SUBF, MULF, ADDF, EXPF,       \
                             ZERO_BELOW, TAIL_LOAD, REDUCE_MAX, REDUCE_ADD, STORE, NAN_BITS,      \
-                            EQ_BITS)                                                             \
+                            EQ_BITS, KEEP_ABOVE)                                                 \
   struct NAME {                                                                                  \
     /* Greedy rows: the first index of the row's maximum, a NaN above every number (as        \
        torch.argmax): the maximum and whether a NaN occurs in one pass, then a scan for the    \
@@ -86,6 +86,32 @@ constexpr float kSampleExpFloor = -87.3f;
       const VEC mv = SET1(m), tv = SET1(inv_t);                                                  \
       for (int64_t i = c0; i < end; i += W) STORE(w + (i - c0), weights(x, i, end, mv, tv));    \
     }                                                                                            \
+    /* Top-p: every weight of the row into w (padded to whole vectors with zeros), each       \
+       chunk's sum as chunk_sums takes it into sums, and (bound >= 0) each chunk's sum of the    \
+       weights above bound into above. */                                                      \
+    TARGET static void row_weights(const float* x, int64_t n, float m, float inv_t, float bound, \
+                                   float* w, float* sums, float* above) {                       \
+      const VEC mv = SET1(m), tv = SET1(inv_t), bv = SET1(bound);                                \
+      for (int64_t c0 = 0, c = 0; c0 < n; c0 += kSampleChunk, ++c) {                             \
+        const int64_t end = std::min(n, c0 + kSampleChunk);                                      \
+        VEC acc = SET1(0.f), kept = SET1(0.f);                                                   \
+        for (int64_t i = c0; i < end; i += W) {                                                  \
+          const VEC v = weights(x, i, end, mv, tv);                                              \
+          STORE(w + i, v);                                                                       \
+          acc = ADDF(acc, v);                                                                    \
+          if (bound >= 0.f) kept = ADDF(kept, KEEP_ABOVE(v, bv));                                \
+        }                                                                                        \
+        sums[c] = REDUCE_ADD(acc);                                                               \
+        if (bound >= 0.f) above[c] = REDUCE_ADD(kept);                                           \
+      }                                                                                          \
+    }                                                                                            \
+    /* The sum of row_weights' w[0..n) above v (whole vectors: its zeros past n). */                                \
+    TARGET static float mass_above(const float* w, int64_t n, float v) {                        \
+      const VEC bv = SET1(v);                                                                    \
+      VEC acc = SET1(0.f);                                                                       \
+      for (int64_t i = 0; i < n; i += W) acc = ADDF(acc, KEEP_ABOVE(LOAD(w + i), bv));           \
+      return REDUCE_ADD(acc);                                                                    \
+    }                                                                                            \
   };
 
 // ---- AVX-512 ----
@@ -121,10 +147,14 @@ PAGEDLLM_AVX512_TARGET static inline int sample_nan_bits16(__m512 v) {
 PAGEDLLM_AVX512_TARGET static inline int sample_eq_bits16(__m512 a, __m512 b) {
   return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ);
 }
+PAGEDLLM_AVX512_TARGET static inline __m512 sample_keep_above16(__m512 w, __m512 v) {
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(w, v, _CMP_GT_OQ), w);
+}
 PAGEDLLM_SAMPLE_OPS(SampleAvx512, PAGEDLLM_AVX512_TARGET, __m512, 16, _mm512_set1_ps,
                     _mm512_loadu_ps, _mm512_max_ps, _mm512_sub_ps, _mm512_mul_ps, _mm512_add_ps,
                     sample_exp16, sample_zero_below16, sample_load16, _mm512_reduce_max_ps,
-                    _mm512_reduce_add_ps, _mm512_storeu_ps, sample_nan_bits16, sample_eq_bits16)
+                    _mm512_reduce_add_ps, _mm512_storeu_ps, sample_nan_bits16, sample_eq_bits16,
+                    sample_keep_above16)
 
 // ---- AVX2 ----
 PAGEDLLM_AVX2_TARGET static inline __m256 sample_load8(const float* x, int64_t i, int64_t n) {
@@ -142,45 +172,101 @@ PAGEDLLM_AVX2_TARGET static inline int sample_nan_bits8(__m256 v) {
 PAGEDLLM_AVX2_TARGET static inline int sample_eq_bits8(__m256 a, __m256 b) {
   return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ));
 }
+PAGEDLLM_AVX2_TARGET static inline __m256 sample_keep_above8(__m256 w, __m256 v) {
+  return _mm256_and_ps(w, _mm256_cmp_ps(w, v, _CMP_GT_OQ));
+}
 PAGEDLLM_SAMPLE_OPS(SampleAvx2, PAGEDLLM_AVX2_TARGET, __m256, 8, _mm256_set1_ps, _mm256_loadu_ps,
                     _mm256_max_ps, _mm256_sub_ps, _mm256_mul_ps, _mm256_add_ps, exp8,
                     sample_zero_below8, sample_load8, hmax8, hsum8,
-                    _mm256_storeu_ps, sample_nan_bits8, sample_eq_bits8)
+                    _mm256_storeu_ps, sample_nan_bits8, sample_eq_bits8, sample_keep_above8)
 #undef PAGEDLLM_SAMPLE_OPS
 
-// One row's draw: the token whose interval of the running weight sum holds u * total (u in
-// [0, 1)), capped at the last token with weight (rounding can leave u * total at or past the
-// end; a zero-weight token is never picked). sums: ceil(n / kSampleChunk) floats of scratch,
-// w: kSampleChunk. A row with no weight at all (every logit -inf) draws token 0.
-template <class Ops>
-static int64_t sample_row(const float* x, int64_t n, float temperature, float u, float* sums,
-                          float* w) {
-  const float m = Ops::row_max(x, n), inv_t = 1.f / temperature;
-  const int64_t chunks = (n + kSampleChunk - 1) / kSampleChunk;
-  Ops::chunk_sums(x, n, m, inv_t, sums);
+// The chunk whose interval of the running sum of sums[0..chunks) holds u times their total,
+// capped at the last chunk with weight (rounding can leave u * total at or past the end; a
+// chunk without weight is never picked), or -1 when none has any; *rest: u * total less the
+// chunks before it.
+static inline int64_t pick_chunk(const float* sums, int64_t chunks, float u, float* rest) {
   float total = 0.f;
   int64_t last = -1;
   for (int64_t c = 0; c < chunks; ++c) {
     total += sums[c];
     if (sums[c] > 0.f) last = c;
   }
-  if (last < 0) return 0;
+  if (last < 0) return -1;
   const float target = u * total;
   float before = 0.f;
   int64_t c = 0;
   for (; c < last && !(before + sums[c] > target); ++c) before += sums[c];
-  const int64_t c0 = c * kSampleChunk, end = std::min(n, c0 + kSampleChunk);
-  Ops::chunk_weights(x, c0, end, m, inv_t, w);
+  *rest = target - before;
+  return c;
+}
+
+// The same inside a chunk: the index of w[0..len) whose interval of the running sum holds rest,
+// capped at the last one with weight (0 when none has any).
+static inline int64_t pick_in_chunk(const float* w, int64_t len, float rest) {
   int64_t last_w = 0;
-  for (int64_t i = 0; i < end - c0; ++i)
+  for (int64_t i = 0; i < len; ++i)
     if (w[i] > 0.f) last_w = i;
-  const float rest = target - before;
   float run = 0.f;
   for (int64_t i = 0; i < last_w; ++i) {
     run += w[i];
-    if (run > rest) return c0 + i;
+    if (run > rest) return i;
   }
-  return c0 + last_w;
+  return last_w;
+}
+
+// One row's draw: the token whose interval of the running weight sum holds u * total (u in
+// [0, 1)), by chunk, then inside the chunk (pick_chunk, pick_in_chunk). sums:
+// ceil(n / kSampleChunk) floats of scratch, w: kSampleChunk. A row with no weight at all
+// (every logit -inf) draws token 0.
+template <class Ops>
+static int64_t sample_row(const float* x, int64_t n, float temperature, float u, float* sums,
+                          float* w) {
+  const float m = Ops::row_max(x, n), inv_t = 1.f / temperature;
+  Ops::chunk_sums(x, n, m, inv_t, sums);
+  float rest;
+  const int64_t c = pick_chunk(sums, (n + kSampleChunk - 1) / kSampleChunk, u, &rest);
+  if (c < 0) return 0;
+  const int64_t c0 = c * kSampleChunk, end = std::min(n, c0 + kSampleChunk);
+  Ops::chunk_weights(x, c0, end, m, inv_t, w);
+  return c0 + pick_in_chunk(w, end - c0, rest);
+}
+
+// One round of the top-p draw of sample/ops.py's random_sample_top_p on one row, its weights
+// those of sample_row: the support is the tokens whose weight is above `bound` (bound < 0: all
+// of them; a rejected round's drawn weight, for the next round), the token drawn from it by
+// u * its total as sample_row draws, and accepted when the mass of the row's tokens strictly
+// more probable than it is below p times the row's total (p >= 1: always). Returns the token;
+// *next_bound becomes -1 when it is accepted, else its weight, whose strictly greater weights
+// hold the whole nucleus (the next round's support). w: the row's weights,
+// ceil(n / kSampleChunk) * kSampleChunk floats of scratch; sums, above: ceil(n / kSampleChunk)
+// floats each. A row with no weight at all draws token 0, accepted.
+template <class Ops>
+static int64_t sample_row_top_p(const float* x, int64_t n, float temperature, float p, float u,
+                                float bound, float* w, float* sums, float* above,
+                                float* next_bound) {
+  const float m = Ops::row_max(x, n), inv_t = 1.f / temperature;
+  const int64_t chunks = (n + kSampleChunk - 1) / kSampleChunk;
+  const bool restricted = bound >= 0.f;
+  Ops::row_weights(x, n, m, inv_t, restricted ? bound : -1.f, w, sums, above);
+  *next_bound = -1.f;
+  float rest;
+  const int64_t c = pick_chunk(restricted ? above : sums, chunks, u, &rest);
+  if (c < 0) return 0;
+  const int64_t c0 = c * kSampleChunk, end = std::min(n, c0 + kSampleChunk);
+  const float* cw = w + c0;
+  float kept[kSampleChunk];  // the chunk's weights in the support
+  if (restricted) {
+    for (int64_t i = 0; i < end - c0; ++i) kept[i] = cw[i] > bound ? cw[i] : 0.f;
+    cw = kept;
+  }
+  const int64_t t = c0 + pick_in_chunk(cw, end - c0, rest);
+  if (p < 1.f) {
+    float total = 0.f;  // the whole row's, summed as pick_chunk sums it
+    for (int64_t k = 0; k < chunks; ++k) total += sums[k];
+    if (!(Ops::mass_above(w, n, w[t]) < p * total)) *next_bound = w[t];
+  }
+  return t;
 }
 
 }  // namespace pagedllm
