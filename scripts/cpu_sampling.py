@@ -7,8 +7,8 @@ the two every run (alternated, 6 runs each), timing the model runner's `_sample_
 LM head and the draw) and the whole `generate`. Runs under the engine process's malloc
 settings (`spawn.ENGINE_GLIBC_TUNABLES`: large temporaries reused, not faulted in afresh).
 `--top-p P`: every row with top_p = P as well, so the native side is the top-p rejection
-rounds (`ops.native_random_sample_top_p`, one `sample_rows_top_p` call a round) and the
-PyTorch side `random_sample_top_p` after the same ops.
+rounds (`ops.native_random_sample`, one `sample_rows_truncated` call a round) and the PyTorch
+side `random_sample_top_p` after the same ops.
 
     python scripts/cpu_sampling.py [--rows 1 8 64] [--top-p 0.95] [--engine .demo-model/SmolLM2-135M-Instruct]
 """
@@ -41,8 +41,8 @@ def _native_draw(native, logits, metadata):
     if metadata.top_p is not None:
         from pagedllm.sample import ops
 
-        return ops.native_random_sample_top_p(
-            native, logits, metadata.temperature, metadata.top_p, {}
+        return ops.native_random_sample(
+            native, logits, metadata.temperature, {}, top_p=metadata.top_p
         )
     return native.sample_rows(logits, metadata.temperature, torch.rand(logits.shape[0]))
 

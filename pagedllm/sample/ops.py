@@ -110,10 +110,15 @@ def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> to
     `max_top_k` is the largest k < V in the batch: one partial `topk` of that size finds every
     row's threshold; rows whose k exceeds it (k = V: disabled) keep everything.
     """
+    return logits.masked_fill_(logits < top_k_floor(logits, top_k, max_top_k), _NEG_INF)
+
+
+def top_k_floor(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """`apply_top_k`'s threshold [B, 1]: each row's k-th largest logit (a logit below it is
+    dropped), -inf where k exceeds `max_top_k` (top-k off)."""
     top_vals = logits.topk(max_top_k, dim=-1).values  # [B, max_top_k], descending
     kth = top_vals.gather(1, (top_k.clamp(max=max_top_k) - 1)[:, None])  # [B, 1]
-    kth.masked_fill_(top_k[:, None] > max_top_k, _NEG_INF)
-    return logits.masked_fill_(logits < kth, _NEG_INF)
+    return kth.masked_fill_(top_k[:, None] > max_top_k, _NEG_INF)
 
 
 def _nucleus_limit(top_p: torch.Tensor) -> torch.Tensor:
@@ -329,27 +334,40 @@ def _rejected_generators(
     return {position[r]: g for r, g in generators.items() if r in position}
 
 
-def native_random_sample_top_p(
+def native_random_sample(
     native,
     logits: torch.Tensor,
     temperature: torch.Tensor,
-    top_p: torch.Tensor,
     generators: dict[int, torch.Generator],
+    top_k: torch.Tensor | None = None,
+    max_top_k: int = 0,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`random_sample_top_p` of the tempered softmax of `logits [B, V]` (fp32 CPU rows, as
-    `native_sampling` takes them; temperature [B], top_p [B]) -> [B] int64, each round one
-    native `sample_rows_top_p` call: the row's weights exp((l - max) / T), the draw from the
-    support with one uniform, the mass strictly ahead of the drawn token against p times the
-    row's total (ops/csrc/sampling.h). The same rounds as `random_sample_top_p`, each drawing
-    one uniform a row still drawing as it does, so for the same uniforms it draws the same
-    tokens (but where a uniform or a mass falls within fp32 rounding of a boundary). Later
-    rounds take the few rejected rows. `logits` is not modified; rows at temperature 0 get 0."""
+    """The CPU draw of temperature, min-p, top-k and top-p (any of the three may be None)
+    from `logits [B, V]` (fp32 CPU rows, as `native_sampling` takes them) -> [B] int64: the
+    rounds of `random_sample_top_p` (one round when top-p is off), each one native
+    `sample_rows_truncated` call: the row's weights exp((l - max) / T), 0 below its top-k
+    floor (`top_k_floor`) or where below min_p times the top one (as `apply_min_p` and
+    `apply_top_k` mask), the draw from the support with one uniform, and the mass strictly
+    ahead of the drawn token against p times the kept weights' total (ops/csrc/sampling.h).
+    Each round draws one uniform a row still drawing, as `random_sample_top_p` (and, with one
+    round, `random_sample`) does, so for the same uniforms it draws the same tokens as the
+    PyTorch ops (but where a uniform or a mass falls within fp32 rounding of a boundary).
+    Later rounds take the few rejected rows. `logits` is not modified; rows at temperature 0
+    get 0."""
     rows = torch.arange(logits.shape[0], device=logits.device)
+    unset = torch.full_like(temperature, _NEG_INF)
+    floor = unset if top_k is None else top_k_floor(logits, top_k, max_top_k).squeeze_(1)
+    log_min_p = unset if min_p is None else min_p.log()
+    top_p = torch.ones_like(temperature) if top_p is None else top_p
     bound = torch.full_like(temperature, -1.0)  # < 0: the whole row is the support
     out = None
     while True:
         u = uniform(rows.numel(), generators, logits.device)
-        tokens, bound = native.sample_rows_top_p(logits, temperature, top_p, u, bound)
+        tokens, bound = native.sample_rows_truncated(
+            logits, temperature, top_p, floor, log_min_p, u, bound
+        )
         if out is None:
             out = tokens
         else:
@@ -357,7 +375,7 @@ def native_random_sample_top_p(
         rejected = (bound >= 0).nonzero().squeeze_(1)  # host sync
         if rejected.numel() == 0:
             return out
-        rows, bound = rows[rejected], bound[rejected]
+        rows, bound, floor, log_min_p = (t[rejected] for t in (rows, bound, floor, log_min_p))
         logits, temperature, top_p = logits[rejected], temperature[rejected], top_p[rejected]
         generators = _rejected_generators(generators, rejected)
 

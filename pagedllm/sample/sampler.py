@@ -11,8 +11,8 @@ Order of operations (vLLM V1's):
    top-p is not a mask but part of the draw (`ops.random_sample_top_p`: rejection, no sort);
    with none of min-p / top-k / top-p, the native `sample_rows` makes the same draw in one
    pass per row (temperature, max, exp and the chunk sums together; `ops.native_sampling`),
-   and with top-p alone `sample_rows_top_p` makes each round of the rejection draw
-   (`ops.native_random_sample_top_p`).
+   and with any of them `sample_rows_truncated` makes each round of the rejection draw, the
+   truncations as weight floors (`ops.native_random_sample`).
 Mixed batches run both paths and pick per row with `torch.where`; on the device nothing syncs
 with the host.
 """
@@ -111,15 +111,22 @@ class Sampler(nn.Module):
             if metadata.all_greedy:
                 return greedy
 
-        untruncated = metadata.min_p is None and metadata.top_k is None
-        native = ops.native_sampling(logits) if untruncated and not batch_invariant else None
-        if native is not None and metadata.top_p is None:
+        plain = metadata.min_p is None and metadata.top_k is None and metadata.top_p is None
+        native = ops.native_sampling(logits) if not batch_invariant else None
+        if native is not None and plain:
             # One native pass per row: the same inverse-CDF draw, the logits left as they are.
             u = ops.uniform(logits.shape[0], metadata.generators, logits.device)
             sampled = native.sample_rows(logits, metadata.temperature, u)
-        elif native is not None:  # top-p alone: the same rejection rounds, each one native call
-            sampled = ops.native_random_sample_top_p(
-                native, logits, metadata.temperature, metadata.top_p, metadata.generators
+        elif native is not None:  # the same truncations and rounds, each round one native call
+            sampled = ops.native_random_sample(
+                native,
+                logits,
+                metadata.temperature,
+                metadata.generators,
+                top_k=metadata.top_k,
+                max_top_k=metadata.max_top_k,
+                top_p=metadata.top_p,
+                min_p=metadata.min_p,
             )
         else:
             sampled = Sampler._draw(logits, metadata, in_place, batch_invariant)

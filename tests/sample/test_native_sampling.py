@@ -1,6 +1,8 @@
-"""The native one-pass draw (`sample_rows`, ops/csrc/sampling.h): the inverse CDF of
-exp((logits - max) / T) for a given uniform, masked tokens never drawn, the distribution, and
-the sampler's use of it (the same tokens as its PyTorch draw for the same seeded uniforms)."""
+"""The native draws (ops/csrc/sampling.h): `sample_rows`' one pass, the inverse CDF of
+exp((logits - max) / T) for a given uniform, masked tokens never drawn, the distribution;
+`sample_rows_truncated`'s rounds of top-k / top-p / min-p (`ops.native_random_sample`), the
+nucleus law; and the sampler's use of both (the same tokens as its PyTorch draw for the same
+seeded uniforms); greedy rows' `argmax_rows`."""
 
 from __future__ import annotations
 
@@ -142,8 +144,8 @@ def test_native_top_p_matches_the_nucleus_distribution(top_p):
     weights = torch.tensor([3.0, 1.0, 2.5, 0.5, 2.0, 1.0, 0.125, 0.25])  # a tie at 1.0
     row = torch.full((vocab,), NEG_INF)
     row[ids] = weights.log() * 0.8  # at T = 0.8: weights exp(l / T) as above
-    draws = ops.native_random_sample_top_p(
-        native, row.repeat(n, 1), torch.full((n,), 0.8), torch.full((n,), top_p), {}
+    draws = ops.native_random_sample(
+        native, row.repeat(n, 1), torch.full((n,), 0.8), {}, top_p=torch.full((n,), top_p)
     )
     expected = torch.zeros(vocab, dtype=torch.float64)
     expected[ids] = _nucleus(weights, top_p)
@@ -151,69 +153,78 @@ def test_native_top_p_matches_the_nucleus_distribution(top_p):
     assert chi_square(draws, expected) < CHI2_999[max(1, int((expected > 0).sum()) - 1)]
 
 
-def test_native_top_p_makes_the_pytorch_rounds_draws():
-    """Flat rows of a 4,000-token vocabulary (nuclei of thousands of tokens; p = 0.2 needs
-    several rejection rounds), p disabled on some rows, greedy rows among them: with the same
-    seeded generators the native rounds draw the tokens `random_sample_top_p` draws from the
-    PyTorch weights (but where rounding decides), never outside a row's nucleus, and a seeded
-    row draws the same whatever shares its batch."""
+def _pytorch_draw(logits, temperature, generators, top_k=None, max_top_k=0, top_p=None, min_p=None):
+    """The sampler's PyTorch draw on a copy: temperature, min-p, top-k, exp, then the top-p
+    rounds or the plain inverse CDF."""
+    x = ops.apply_temperature(logits.clone(), temperature)
+    if min_p is not None:
+        x = ops.apply_min_p(x, min_p)
+    if top_k is not None:
+        x = ops.apply_top_k(x, top_k, max_top_k)
+    weights = x.sub_(x.amax(dim=-1, keepdim=True)).exp_()
+    if top_p is not None:
+        return ops.random_sample_top_p(weights, top_p, generators), weights
+    return ops.random_sample(weights, generators), weights
+
+
+@pytest.mark.parametrize(
+    "truncation",
+    [
+        {"top_p": [0.9, 1.0, 0.2, 0.5]},  # p = 0.2 takes several rounds on these flat rows
+        {"top_k": [5, 4000, 40, 1]},
+        {"min_p": [0.5, 0.0, 0.9, 0.2]},
+        {"top_k": [40, 4000, 300, 2], "top_p": [0.3, 0.8, 1.0, 0.5], "min_p": [0.6, 0.1, 0.0, 0.0]},
+    ],
+    ids=["top_p", "top_k", "min_p", "all_three"],
+)
+def test_native_rounds_make_the_pytorch_draws(truncation):
+    """Flat rows of a 4,000-token vocabulary (nuclei of thousands of tokens), each truncation
+    off on some rows, greedy rows among them: with the same seeded generators the native rounds
+    draw the tokens the PyTorch ops draw (but where rounding decides), never a token those ops
+    mask or leave outside the nucleus, and a seeded row draws the same whatever shares its
+    batch."""
     g = torch.Generator().manual_seed(5)
     rows, vocab = 36, 4000
     logits = torch.randn(rows, vocab, generator=g) * 0.5
-    top_p = torch.tensor([0.9, 1.0, 0.2, 0.5] * (rows // 4))
     temperature = torch.full((rows,), 0.9)
     temperature[::9] = 0.0
+    kwargs = {}
+    for name, values in truncation.items():
+        dtype = torch.int64 if name == "top_k" else torch.float32
+        kwargs[name] = torch.tensor(values * (rows // 4), dtype=dtype)
+    if "top_k" in kwargs:
+        kwargs["max_top_k"] = max(k for k in truncation["top_k"] if k < vocab)
 
     def generators(seeds):
         return {i: torch.Generator().manual_seed(s) for i, s in enumerate(seeds)}
 
     seeds = [1000 + i for i in range(rows)]
-    got = ops.native_random_sample_top_p(native, logits, temperature, top_p, generators(seeds))
-    t = torch.where(temperature > 0, temperature, 1.0)[:, None]
-    weights = (logits / t - (logits / t).amax(1, keepdim=True)).exp()
-    want = ops.random_sample_top_p(weights, top_p, generators(seeds))
+    got = ops.native_random_sample(native, logits, temperature, generators(seeds), **kwargs)
+    want, weights = _pytorch_draw(logits, temperature, generators(seeds), **kwargs)
     drawn = temperature > 0
     assert (got[drawn] == want[drawn]).float().mean() >= 0.95
     assert (got[~drawn] == 0).all()
+    top_p = kwargs.get("top_p", torch.ones(rows))
     for r in drawn.nonzero().flatten().tolist():
         assert _nucleus(weights[r], top_p[r].item())[got[r]] > 0, r
     part = [3, 5, 6]
-    alone = ops.native_random_sample_top_p(
+    alone = ops.native_random_sample(
         native,
         logits[part].clone(),
         temperature[part].clone(),
-        top_p[part].clone(),
         generators([seeds[i] for i in part]),
+        **{k: v[part].clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()},
     )
     assert torch.equal(alone, got[part])
 
 
-def test_sampler_takes_the_native_top_p_rounds_for_top_p_alone(monkeypatch):
-    """top-p alone goes native (the logits left unchanged, tokens only from the nucleus);
-    with top-k or min-p as well the PyTorch draw runs."""
+def test_sampler_draws_truncations_natively_but_in_batch_invariant_mode(monkeypatch):
+    """top-k / top-p / min-p rows, alone or together, take the native rounds and draw only kept
+    tokens, the logits left unchanged; batch-invariant mode keeps the PyTorch draw; only fp32
+    rows of two chunks or more go native."""
     vocab, n = 1024, 400
     logits = torch.randn(vocab).repeat(n, 1)
     before = logits.clone()
-    probs, order = torch.softmax(logits[0], dim=-1).sort(descending=True)
-    nucleus = set(order[(probs.cumsum(0) - probs) < 0.05].tolist())
-    calls = []
-    rounds = ops.native_random_sample_top_p
-    monkeypatch.setattr(ops, "native_random_sample_top_p", lambda *a: calls.append(1) or rounds(*a))
-    drawn = Sampler()(logits, _metadata([SamplingParams(top_p=0.05)] * n, vocab)).sampled_token_ids
-    assert calls and set(drawn.tolist()) <= nucleus and torch.equal(logits, before)
-    calls.clear()
-    for extra in ({"top_k": 50}, {"min_p": 0.01}):
-        metadata = _metadata([SamplingParams(top_p=0.05, **extra)] * n, vocab)
-        assert set(Sampler()(logits, metadata).sampled_token_ids.tolist()) <= nucleus
-    assert not calls
-
-
-def test_truncation_and_batch_invariance_keep_the_pytorch_draw(monkeypatch):
-    """top-k / top-p / min-p rows draw only kept tokens (top-p alone on the native rounds, the
-    others with the PyTorch ops); batch-invariant mode keeps the PyTorch draw; only fp32 rows
-    of two chunks or more go native."""
-    vocab, n = 1024, 400
-    logits = torch.randn(vocab).repeat(n, 1)
     row = logits[0]
     probs, order = torch.softmax(row, dim=-1).sort(descending=True)
     ahead = probs.cumsum(0) - probs  # mass before each token in order
@@ -224,17 +235,26 @@ def test_truncation_and_batch_invariance_keep_the_pytorch_draw(monkeypatch):
             (row >= row.max() + torch.log(torch.tensor(0.5))).nonzero().flatten().tolist()
         ),
     }
+    calls = []
+    rounds = ops.native_random_sample
+    monkeypatch.setattr(
+        ops, "native_random_sample", lambda *a, **k: calls.append(1) or rounds(*a, **k)
+    )
     for name, value in (("top_k", 5), ("top_p", 0.05), ("min_p", 0.5)):
         metadata = _metadata([SamplingParams(**{name: value})] * n, vocab)
         drawn = set(Sampler()(logits, metadata).sampled_token_ids.tolist())
         assert drawn <= kept[name] and len(kept[name]) < 50, name
+        assert calls.pop() and torch.equal(logits, before)
+    both = _metadata([SamplingParams(top_k=5, top_p=0.05, min_p=0.5)] * n, vocab)
+    drawn = set(Sampler()(logits, both).sampled_token_ids.tolist())
+    assert drawn <= kept["top_k"] & kept["top_p"] & kept["min_p"] and calls.pop()
 
     def refuse(logits):
         raise AssertionError("batch-invariant mode must not take the native draw")
 
     monkeypatch.setattr(ops, "native_sampling", refuse)
-    metadata = _metadata([SamplingParams(temperature=1.0)] * 2, vocab)
-    Sampler(batch_invariant=True)(logits[:2], metadata)
+    for params in (SamplingParams(temperature=1.0), SamplingParams(top_p=0.05)):
+        Sampler(batch_invariant=True)(logits[:2], _metadata([params] * 2, vocab))
     monkeypatch.undo()
     assert ops.native_sampling(logits.bfloat16()) is None
     assert ops.native_sampling(logits[:, :511].contiguous()) is None

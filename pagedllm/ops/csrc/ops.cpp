@@ -585,25 +585,28 @@ at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, 
   return out;
 }
 
-// One round of the top-p draw (sampling.h's sample_row_top_p) on each row of logits [B, V]
-// (fp32) with temperature, top_p, uniform u and bound [B] (bound < 0: the whole row; else the
-// weight a rejected round drew): (tokens [B] int64, next bound [B], -1 where the row's token is
-// accepted). Rows whose temperature is not above 0 are not drawn: token 0, accepted.
-std::tuple<at::Tensor, at::Tensor> sample_rows_top_p(const at::Tensor& logits, const at::Tensor& temperature,
-                                                     const at::Tensor& top_p, const at::Tensor& u,
-                                                     const at::Tensor& bound) {
+// One round of the truncated draw (sampling.h's sample_row_truncated) on each row of logits
+// [B, V] (fp32) with temperature, top_p, floor (top-k's logit floor, -inf: none), log_min_p
+// (-inf: none), uniform u and bound [B] (bound < 0: the whole row; else the weight a rejected
+// round drew): (tokens [B] int64, next bound [B], -1 where the row's token is accepted). Rows
+// whose temperature is not above 0 are not drawn: token 0, accepted.
+std::tuple<at::Tensor, at::Tensor> sample_rows_truncated(const at::Tensor& logits, const at::Tensor& temperature,
+                                                         const at::Tensor& top_p, const at::Tensor& floor,
+                                                         const at::Tensor& log_min_p, const at::Tensor& u,
+                                                         const at::Tensor& bound) {
   const bool avx512 = cpu_has_avx512();
-  TORCH_CHECK(avx512 || cpu_has_avx2_fma(), "pagedllm::sample_rows_top_p needs AVX-512 or AVX2 + FMA");
+  TORCH_CHECK(avx512 || cpu_has_avx2_fma(), "pagedllm::sample_rows_truncated needs AVX-512 or AVX2 + FMA");
   TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1,
               "logits: float32 [B, V] with contiguous rows");
   const int64_t B = logits.size(0), V = logits.size(1);
-  for (const at::Tensor* t : {&temperature, &top_p, &u, &bound})
+  for (const at::Tensor* t : {&temperature, &top_p, &floor, &log_min_p, &u, &bound})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == B,
-                "temperature / top_p / u / bound: float32 [B]");
+                "temperature / top_p / floor / log_min_p / u / bound: float32 [B]");
   at::Tensor out = at::empty({B}, logits.options().dtype(at::kLong));
   at::Tensor next = at::empty({B}, logits.options());
   const float *x = logits.data_ptr<float>(), *temp = temperature.data_ptr<float>();
-  const float *pp = top_p.data_ptr<float>(), *uu = u.data_ptr<float>(), *bb = bound.data_ptr<float>();
+  const float *pp = top_p.data_ptr<float>(), *fl = floor.data_ptr<float>(), *lm = log_min_p.data_ptr<float>();
+  const float *uu = u.data_ptr<float>(), *bb = bound.data_ptr<float>();
   int64_t* tok = out.data_ptr<int64_t>();
   float* nb = next.data_ptr<float>();
   const int64_t chunks = (V + kSampleChunk - 1) / kSampleChunk;
@@ -611,16 +614,15 @@ std::tuple<at::Tensor, at::Tensor> sample_rows_top_p(const at::Tensor& logits, c
     std::vector<float> w(chunks * kSampleChunk), sums(chunks), above(chunks);
     for (int64_t r = b; r < e; ++r) {
       const float* row = x + r * logits.stride(0);
-      if (!(temp[r] > 0.f)) {
+      nb[r] = -1.f;
+      if (!(temp[r] > 0.f))
         tok[r] = 0;
-        nb[r] = -1.f;
-      } else if (avx512) {
-        tok[r] = sample_row_top_p<SampleAvx512>(row, V, temp[r], pp[r], uu[r], bb[r], w.data(), sums.data(),
-                                                above.data(), nb + r);
-      } else {
-        tok[r] = sample_row_top_p<SampleAvx2>(row, V, temp[r], pp[r], uu[r], bb[r], w.data(), sums.data(),
-                                              above.data(), nb + r);
-      }
+      else if (avx512)
+        tok[r] = sample_row_truncated<SampleAvx512>(row, V, temp[r], pp[r], fl[r], lm[r], uu[r], bb[r], w.data(),
+                                                    sums.data(), above.data(), nb + r);
+      else
+        tok[r] = sample_row_truncated<SampleAvx2>(row, V, temp[r], pp[r], fl[r], lm[r], uu[r], bb[r], w.data(),
+                                                  sums.data(), above.data(), nb + r);
     }
   });
   return {out, next};
@@ -1139,8 +1141,9 @@ TORCH_LIBRARY(pagedllm, m) {
         &pagedllm::fused_add_rms_norm);
   m.def("silu_and_mul(Tensor x) -> Tensor", &pagedllm::silu_and_mul);
   m.def("sample_rows(Tensor logits, Tensor temperature, Tensor u) -> Tensor", &pagedllm::sample_rows);
-  m.def("sample_rows_top_p(Tensor logits, Tensor temperature, Tensor top_p, Tensor u, Tensor bound) -> (Tensor, Tensor)",
-        &pagedllm::sample_rows_top_p);
+  m.def("sample_rows_truncated(Tensor logits, Tensor temperature, Tensor top_p, Tensor floor, Tensor log_min_p, "
+        "Tensor u, Tensor bound) -> (Tensor, Tensor)",
+        &pagedllm::sample_rows_truncated);
   m.def("argmax_rows(Tensor logits) -> Tensor", &pagedllm::argmax_rows);
   m.def("rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos_sin_cache, "
         "int head_size, int rot) -> ()", &pagedllm::rotary_embedding);

@@ -30,7 +30,7 @@ constexpr float kSampleExpFloor = -87.3f;
 // chunk's weight sum, and one chunk's weights.
 #define PAGEDLLM_SAMPLE_OPS(NAME, TARGET, VEC, W, SET1, LOAD, MAXF, SUBF, MULF, ADDF, EXPF,       \
                             ZERO_BELOW, TAIL_LOAD, REDUCE_MAX, REDUCE_ADD, STORE, NAN_BITS,      \
-                            EQ_BITS, KEEP_ABOVE)                                                 \
+                            EQ_BITS, KEEP_ABOVE, KEEP_AT_LEAST)                                  \
   struct NAME {                                                                                  \
     /* Greedy rows: the first index of the row's maximum, a NaN above every number (as        \
        torch.argmax): the maximum and whether a NaN occurs in one pass, then a scan for the    \
@@ -86,17 +86,21 @@ constexpr float kSampleExpFloor = -87.3f;
       const VEC mv = SET1(m), tv = SET1(inv_t);                                                  \
       for (int64_t i = c0; i < end; i += W) STORE(w + (i - c0), weights(x, i, end, mv, tv));    \
     }                                                                                            \
-    /* Top-p: every weight of the row into w (padded to whole vectors with zeros), each       \
-       chunk's sum as chunk_sums takes it into sums, and (bound >= 0) each chunk's sum of the    \
-       weights above bound into above. */                                                      \
-    TARGET static void row_weights(const float* x, int64_t n, float m, float inv_t, float bound, \
-                                   float* w, float* sums, float* above) {                       \
-      const VEC mv = SET1(m), tv = SET1(inv_t), bv = SET1(bound);                                \
+    /* Truncated draws: every weight of the row into w (padded to whole vectors with zeros),  \
+       0 where the logit is below `floor` (top-k) or the exponent below `log_min_p` (min-p),   \
+       each chunk's sum as chunk_sums takes it into sums, and (bound >= 0) each chunk's sum of  \
+       the weights above bound into above. */                                                  \
+    TARGET static void row_weights(const float* x, int64_t n, float m, float inv_t, float floor, \
+                                   float log_min_p, float bound, float* w, float* sums,          \
+                                   float* above) {                                               \
+      const VEC mv = SET1(m), tv = SET1(inv_t), bv = SET1(bound), fv = SET1(floor),              \
+                lv = SET1(log_min_p);                                                            \
       for (int64_t c0 = 0, c = 0; c0 < n; c0 += kSampleChunk, ++c) {                             \
         const int64_t end = std::min(n, c0 + kSampleChunk);                                      \
         VEC acc = SET1(0.f), kept = SET1(0.f);                                                   \
         for (int64_t i = c0; i < end; i += W) {                                                  \
-          const VEC v = weights(x, i, end, mv, tv);                                              \
+          const VEC xv = TAIL_LOAD(x, i, end), z = MULF(SUBF(xv, mv), tv);                       \
+          const VEC v = KEEP_AT_LEAST(KEEP_AT_LEAST(ZERO_BELOW(EXPF(z), z), xv, fv), z, lv);     \
           STORE(w + i, v);                                                                       \
           acc = ADDF(acc, v);                                                                    \
           if (bound >= 0.f) kept = ADDF(kept, KEEP_ABOVE(v, bv));                                \
@@ -150,11 +154,14 @@ PAGEDLLM_AVX512_TARGET static inline int sample_eq_bits16(__m512 a, __m512 b) {
 PAGEDLLM_AVX512_TARGET static inline __m512 sample_keep_above16(__m512 w, __m512 v) {
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(w, v, _CMP_GT_OQ), w);
 }
+PAGEDLLM_AVX512_TARGET static inline __m512 sample_keep_at_least16(__m512 w, __m512 a, __m512 b) {
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, b, _CMP_GE_OQ), w);
+}
 PAGEDLLM_SAMPLE_OPS(SampleAvx512, PAGEDLLM_AVX512_TARGET, __m512, 16, _mm512_set1_ps,
                     _mm512_loadu_ps, _mm512_max_ps, _mm512_sub_ps, _mm512_mul_ps, _mm512_add_ps,
                     sample_exp16, sample_zero_below16, sample_load16, _mm512_reduce_max_ps,
                     _mm512_reduce_add_ps, _mm512_storeu_ps, sample_nan_bits16, sample_eq_bits16,
-                    sample_keep_above16)
+                    sample_keep_above16, sample_keep_at_least16)
 
 // ---- AVX2 ----
 PAGEDLLM_AVX2_TARGET static inline __m256 sample_load8(const float* x, int64_t i, int64_t n) {
@@ -175,10 +182,14 @@ PAGEDLLM_AVX2_TARGET static inline int sample_eq_bits8(__m256 a, __m256 b) {
 PAGEDLLM_AVX2_TARGET static inline __m256 sample_keep_above8(__m256 w, __m256 v) {
   return _mm256_and_ps(w, _mm256_cmp_ps(w, v, _CMP_GT_OQ));
 }
+PAGEDLLM_AVX2_TARGET static inline __m256 sample_keep_at_least8(__m256 w, __m256 a, __m256 b) {
+  return _mm256_and_ps(w, _mm256_cmp_ps(a, b, _CMP_GE_OQ));
+}
 PAGEDLLM_SAMPLE_OPS(SampleAvx2, PAGEDLLM_AVX2_TARGET, __m256, 8, _mm256_set1_ps, _mm256_loadu_ps,
                     _mm256_max_ps, _mm256_sub_ps, _mm256_mul_ps, _mm256_add_ps, exp8,
                     sample_zero_below8, sample_load8, hmax8, hsum8,
-                    _mm256_storeu_ps, sample_nan_bits8, sample_eq_bits8, sample_keep_above8)
+                    _mm256_storeu_ps, sample_nan_bits8, sample_eq_bits8, sample_keep_above8,
+                    sample_keep_at_least8)
 #undef PAGEDLLM_SAMPLE_OPS
 
 // The chunk whose interval of the running sum of sums[0..chunks) holds u times their total,
@@ -233,22 +244,24 @@ static int64_t sample_row(const float* x, int64_t n, float temperature, float u,
 }
 
 // One round of the top-p draw of sample/ops.py's random_sample_top_p on one row, its weights
-// those of sample_row: the support is the tokens whose weight is above `bound` (bound < 0: all
-// of them; a rejected round's drawn weight, for the next round), the token drawn from it by
-// u * its total as sample_row draws, and accepted when the mass of the row's tokens strictly
-// more probable than it is below p times the row's total (p >= 1: always). Returns the token;
+// those of sample_row but 0 below the top-k floor (a logit) and the min-p floor (an exponent,
+// log min_p), as the PyTorch ops mask them: the support is the tokens whose weight is above
+// `bound` (bound < 0: all of them; a rejected round's drawn weight, for the next round), the
+// token drawn from it by u * its total as sample_row draws, and accepted when the mass of the
+// row's tokens strictly more probable than it is below p times the row's total of kept weights
+// (p >= 1: always, the only round of a draw with top-k or min-p alone). Returns the token;
 // *next_bound becomes -1 when it is accepted, else its weight, whose strictly greater weights
 // hold the whole nucleus (the next round's support). w: the row's weights,
 // ceil(n / kSampleChunk) * kSampleChunk floats of scratch; sums, above: ceil(n / kSampleChunk)
 // floats each. A row with no weight at all draws token 0, accepted.
 template <class Ops>
-static int64_t sample_row_top_p(const float* x, int64_t n, float temperature, float p, float u,
-                                float bound, float* w, float* sums, float* above,
-                                float* next_bound) {
+static int64_t sample_row_truncated(const float* x, int64_t n, float temperature, float p,
+                                    float floor, float log_min_p, float u, float bound, float* w,
+                                    float* sums, float* above, float* next_bound) {
   const float m = Ops::row_max(x, n), inv_t = 1.f / temperature;
   const int64_t chunks = (n + kSampleChunk - 1) / kSampleChunk;
   const bool restricted = bound >= 0.f;
-  Ops::row_weights(x, n, m, inv_t, restricted ? bound : -1.f, w, sums, above);
+  Ops::row_weights(x, n, m, inv_t, floor, log_min_p, restricted ? bound : -1.f, w, sums, above);
   *next_bound = -1.f;
   float rest;
   const int64_t c = pick_chunk(restricted ? above : sums, chunks, u, &rest);
