@@ -260,6 +260,29 @@ def test_sampler_draws_truncations_natively_but_in_batch_invariant_mode(monkeypa
     assert ops.native_sampling(logits[:, :511].contiguous()) is None
 
 
+@pytest.mark.parametrize("vocab", [512, 700, 4099, 49152])
+def test_native_top_k_floors_are_torch_topk_thresholds(vocab):
+    """`top_k_floors` (and `ops.top_k_floor`, which takes it): each row's k-th largest logit
+    as `torch.topk` gives it, repeats counted, for k from 1 to past the row's finite logits;
+    -inf where k is V (off) or the row has fewer than k logits above -inf."""
+    g = torch.Generator().manual_seed(vocab)
+    rows = 12
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    logits[1] = (logits[1] * 2).round()  # many ties
+    logits[2] = 0.5  # all equal
+    logits[3, vocab // 3 :] = NEG_INF  # masked tokens (a grammar's): fewer than k left
+    logits[4] = torch.arange(vocab, dtype=torch.float32)  # ascending: thr rises every segment
+    logits[6, vocab // 3 :] = NEG_INF  # exactly k left
+    ks = [1, 2, 5, vocab // 3 + 1, 50, 1000, vocab // 3, 20, vocab - 1, vocab, 7, 3000]
+    top_k = torch.tensor([min(k, vocab) for k in ks])
+    got = native.top_k_floors(logits, top_k)
+    for r, k in enumerate(top_k.tolist()):
+        want = logits[r].topk(k).values[-1].item() if k < vocab else NEG_INF
+        assert got[r].item() == want, (r, k)
+    max_top_k = max(k for k in top_k.tolist() if k < vocab)
+    assert torch.equal(ops.top_k_floor(logits, top_k, max_top_k).squeeze(1), got)
+
+
 @pytest.mark.parametrize("vocab", [1, 7, 16, 500, 49152, 49157])
 def test_native_argmax_is_torch_argmax(vocab):
     """`argmax_rows` (and `ops.argmax`, which takes it for fp32 rows): the first index of the

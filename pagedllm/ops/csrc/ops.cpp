@@ -628,6 +628,31 @@ std::tuple<at::Tensor, at::Tensor> sample_rows_truncated(const at::Tensor& logit
   return {out, next};
 }
 
+// Each row's k-th largest logit of logits [B, V] (fp32, contiguous rows) for its top_k [B]
+// (int64): apply_top_k's threshold, -inf where k is not below V (top-k off) or the row has
+// fewer than k logits above -inf (sampling.h's kth_largest, one filtering pass a row).
+at::Tensor top_k_floors(const at::Tensor& logits, const at::Tensor& top_k) {
+  const bool avx512 = cpu_has_avx512();
+  TORCH_CHECK(avx512 || cpu_has_avx2_fma(), "pagedllm::top_k_floors needs AVX-512 or AVX2 + FMA");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1,
+              "logits: float32 [B, V] with contiguous rows");
+  const int64_t B = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(top_k.scalar_type() == at::kLong && top_k.is_contiguous() && top_k.numel() == B, "top_k: int64 [B]");
+  at::Tensor out = at::empty({B}, logits.options());
+  const float* x = logits.data_ptr<float>();
+  const int64_t* kk = top_k.data_ptr<int64_t>();
+  float* fl = out.data_ptr<float>();
+  at::parallel_for(0, B, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> buf;
+    for (int64_t r = b; r < e; ++r) {
+      const float* row = x + r * logits.stride(0);
+      const int64_t k = kk[r] < V ? kk[r] : 0;
+      fl[r] = avx512 ? kth_largest<true>(row, V, k, buf) : kth_largest<false>(row, V, k, buf);
+    }
+  });
+  return out;
+}
+
 // The first index of each row's maximum of logits [B, V] (fp32, contiguous rows), a NaN above
 // every number: torch.argmax(logits, -1) in one pass a row (sampling.h), for greedy rows.
 at::Tensor argmax_rows(const at::Tensor& logits) {
@@ -1144,6 +1169,7 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def("sample_rows_truncated(Tensor logits, Tensor temperature, Tensor top_p, Tensor floor, Tensor log_min_p, "
         "Tensor u, Tensor bound) -> (Tensor, Tensor)",
         &pagedllm::sample_rows_truncated);
+  m.def("top_k_floors(Tensor logits, Tensor top_k) -> Tensor", &pagedllm::top_k_floors);
   m.def("argmax_rows(Tensor logits) -> Tensor", &pagedllm::argmax_rows);
   m.def("rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos_sin_cache, "
         "int head_size, int rot) -> ()", &pagedllm::rotary_embedding);

@@ -18,6 +18,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
+#include <vector>
 
 #include "common.h"
 
@@ -280,6 +282,66 @@ static int64_t sample_row_truncated(const float* x, int64_t n, float temperature
     if (!(Ops::mass_above(w, n, w[t]) < p * total)) *next_bound = w[t];
   }
   return t;
+}
+
+// ---- top-k: each row's k-th largest logit (apply_top_k's threshold) ------------------------
+// x[i0..i1)'s values above thr appended at out (room for i1 - i0 + 16 floats); returns how
+// many. AVX-512 compresses in a register (vcompressps to memory is microcoded on Zen 4).
+PAGEDLLM_AVX512_TARGET static int64_t values_above16(const float* x, int64_t i0, int64_t i1,
+                                                     float thr, float* out) {
+  const __m512 t = _mm512_set1_ps(thr);
+  int64_t m = 0, i = i0;
+  for (; i + 16 <= i1; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    if (const __mmask16 k = _mm512_cmp_ps_mask(v, t, _CMP_GT_OQ)) {
+      _mm512_storeu_ps(out + m, _mm512_maskz_compress_ps(k, v));
+      m += __builtin_popcount(k);
+    }
+  }
+  for (; i < i1; ++i)
+    if (x[i] > thr) out[m++] = x[i];
+  return m;
+}
+PAGEDLLM_AVX2_TARGET static int64_t values_above8(const float* x, int64_t i0, int64_t i1,
+                                                  float thr, float* out) {
+  const __m256 t = _mm256_set1_ps(thr);
+  int64_t m = 0, i = i0;
+  for (; i + 8 <= i1; i += 8)
+    for (int k = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), t, _CMP_GT_OQ)); k; k &= k - 1)
+      out[m++] = x[i + __builtin_ctz(k)];
+  for (; i < i1; ++i)
+    if (x[i] > thr) out[m++] = x[i];
+  return m;
+}
+
+// The k-th largest of x[0..n) counting repeats (torch.topk(k).values[k - 1]), or -inf when
+// the row has fewer than k values above -inf (or k < 1). One pass through a filter: buf holds
+// the top k of the prefix read so far plus the values since above the k-th of them (thr, -inf
+// at first); once it holds kCut values it is cut back to its top k (nth_element), which
+// raises thr. A value equal to thr cannot change the answer once k values at least thr are
+// held, so the filter is strict. NaNs never pass (a row with them has no meaningful top k).
+template <bool avx512>
+static float kth_largest(const float* x, int64_t n, int64_t k, std::vector<float>& buf) {
+  if (k < 1 || k > n) return -INFINITY;
+  constexpr int64_t kSegment = 2048;
+  const int64_t cut = std::max<int64_t>(2 * k, kSegment);
+  buf.resize(cut + kSegment + 16);
+  float thr = -INFINITY;
+  int64_t held = 0;
+  auto trim = [&] {
+    std::nth_element(buf.begin(), buf.begin() + (k - 1), buf.begin() + held, std::greater<float>());
+    thr = buf[k - 1];
+    held = k;
+  };
+  for (int64_t i0 = 0; i0 < n; i0 += kSegment) {
+    const int64_t i1 = std::min(n, i0 + kSegment);
+    held += avx512 ? values_above16(x, i0, i1, thr, buf.data() + held)
+                   : values_above8(x, i0, i1, thr, buf.data() + held);
+    if (held >= cut) trim();
+  }
+  if (held < k) return -INFINITY;
+  trim();
+  return thr;
 }
 
 }  // namespace pagedllm
