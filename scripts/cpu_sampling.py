@@ -6,11 +6,13 @@ in-process `LLM` generating 64 x 128 in / 64 out at temperature 1, the draw swit
 the two every run (alternated, 6 runs each), timing the model runner's `_sample_tokens` (the
 LM head and the draw) and the whole `generate`. Runs under the engine process's malloc
 settings (`spawn.ENGINE_GLIBC_TUNABLES`: large temporaries reused, not faulted in afresh).
-`--top-p P`: every row with top_p = P as well, so the native side is the top-p rejection
-rounds (`ops.native_random_sample`, one `sample_rows_truncated` call a round) and the PyTorch
-side `random_sample_top_p` after the same ops.
+`--top-p P` / `--top-k K`: every row with top_p = P / top_k = K as well, so the native side
+is the truncated rounds (`ops.native_random_sample`, one `sample_rows_truncated` call a round,
+top-k's threshold by `top_k_floors`) and the PyTorch side the sampler's ops (`torch.topk`,
+masking, `random_sample_top_p`).
 
-    python scripts/cpu_sampling.py [--rows 1 8 64] [--top-p 0.95] [--engine .demo-model/SmolLM2-135M-Instruct]
+    python scripts/cpu_sampling.py [--rows 1 8 64] [--vocab 49152] [--top-p 0.95] [--top-k 20]
+        [--engine .demo-model/SmolLM2-135M-Instruct]
 """
 
 from __future__ import annotations
@@ -34,31 +36,44 @@ def _block_ms(fn, calls: int) -> float:
 
 
 def _torch_draw(sampler, logits, metadata):
-    return sampler._draw(logits.clone(), metadata, True, False)
+    from pagedllm.sample import ops
+
+    native = ops.native_sampling
+    ops.native_sampling = lambda logits: None  # top-k's threshold by torch.topk too
+    try:
+        return sampler._draw(logits.clone(), metadata, True, False)
+    finally:
+        ops.native_sampling = native
 
 
 def _native_draw(native, logits, metadata):
-    if metadata.top_p is not None:
+    if metadata.top_p is not None or metadata.top_k is not None:
         from pagedllm.sample import ops
 
         return ops.native_random_sample(
-            native, logits, metadata.temperature, {}, top_p=metadata.top_p
+            native,
+            logits,
+            metadata.temperature,
+            {},
+            top_k=metadata.top_k,
+            max_top_k=metadata.max_top_k,
+            top_p=metadata.top_p,
         )
     return native.sample_rows(logits, metadata.temperature, torch.rand(logits.shape[0]))
 
 
-def ops_figures(rows: list[int], vocab: int, top_p: float) -> None:
+def ops_figures(rows: list[int], vocab: int, top_p: float, top_k: int) -> None:
     from pagedllm.sample import ops
     from pagedllm.sample.metadata import SamplingMetadata
     from pagedllm.sample.sampler import Sampler
     from pagedllm.sampling_params import SamplingParams
 
-    kind = "sample_rows" if top_p == 1.0 else f"top-p {top_p} rounds"
+    kind = "sample_rows" if top_p == 1.0 and top_k == 0 else "truncated rounds"
     print(f"| rows | PyTorch ops | native {kind} | ratio |")
     print("|---|---|---|---|")
     for b in rows:
         logits = torch.randn(b, vocab) * 3
-        params = [SamplingParams(temperature=1.0, top_p=top_p)] * b
+        params = [SamplingParams(temperature=1.0, top_p=top_p, top_k=top_k)] * b
         metadata = SamplingMetadata.build(params, [[1]] * b, [[]] * b, [None] * b, vocab, "cpu")
         native = ops.native_sampling(logits)
         assert native is not None, "no native sampling on this CPU"
@@ -78,7 +93,7 @@ def ops_figures(rows: list[int], vocab: int, top_p: float) -> None:
         )
 
 
-def engine_figures(model: str, top_p: float) -> None:
+def engine_figures(model: str, top_p: float, top_k: int) -> None:
     os.environ["PAGEDLLM_ENABLE_MULTIPROCESSING"] = "0"
     from pagedllm import LLM, SamplingParams
     from pagedllm.sample import ops
@@ -99,7 +114,9 @@ def engine_figures(model: str, top_p: float) -> None:
 
     runner._sample_tokens = timed
     native = ops.native_sampling
-    params = SamplingParams(max_tokens=64, temperature=1.0, top_p=top_p, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=64, temperature=1.0, top_p=top_p, top_k=top_k, ignore_eos=True
+    )
     rng = random.Random(1)
     llm.generate([{"prompt_token_ids": [5] * 16}], params, use_tqdm=False)
     runs: dict[str, list[tuple[float, float]]] = {"torch": [], "native": []}
@@ -131,11 +148,12 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0: off")
     p.add_argument("--engine", metavar="MODEL", default=None)
     args = p.parse_args()
-    ops_figures(args.rows, args.vocab, args.top_p)
+    ops_figures(args.rows, args.vocab, args.top_p, args.top_k)
     if args.engine:
-        engine_figures(args.engine, args.top_p)
+        engine_figures(args.engine, args.top_p, args.top_k)
 
 
 if __name__ == "__main__":

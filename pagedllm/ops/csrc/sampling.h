@@ -317,14 +317,15 @@ PAGEDLLM_AVX2_TARGET static int64_t values_above8(const float* x, int64_t i0, in
 // The k-th largest of x[0..n) counting repeats (torch.topk(k).values[k - 1]), or -inf when
 // the row has fewer than k values above -inf (or k < 1). One pass through a filter: buf holds
 // the top k of the prefix read so far plus the values since above the k-th of them (thr, -inf
-// at first); once it holds kCut values it is cut back to its top k (nth_element), which
-// raises thr. A value equal to thr cannot change the answer once k values at least thr are
+// at first); once it holds max(4 k, 512) values it is cut back to its top k (nth_element),
+// which raises thr (at 64 rows of 49,152 logits and k = 20, 0.54 ms against 0.84 with cuts at
+// 2,048 and torch.topk's 2-3 ms). A value equal to thr cannot change the answer once k values at least thr are
 // held, so the filter is strict. NaNs never pass (a row with them has no meaningful top k).
 template <bool avx512>
 static float kth_largest(const float* x, int64_t n, int64_t k, std::vector<float>& buf) {
   if (k < 1 || k > n) return -INFINITY;
-  constexpr int64_t kSegment = 2048;
-  const int64_t cut = std::max<int64_t>(2 * k, kSegment);
+  constexpr int64_t kSegment = 512;
+  const int64_t cut = std::max<int64_t>(4 * k, kSegment);
   buf.resize(cut + kSegment + 16);
   float thr = -INFINITY;
   int64_t held = 0;
