@@ -8,8 +8,9 @@ can run it as a plain script. The engine is built once (start-up is not timed); 
 line on stdin is one JSON command, and each answer is one line on stdout starting with
 `RESULT_MARK` (the engines log to stdout too; the driver skips everything else):
 
-- `{"op": "generate", "prompts": [[ids]], "max_tokens": [n]}`: one `LLM.generate` of the
-  token-id prompts (temperature 1, top-p 1, EOS ignored) -> seconds, output tokens.
+- `{"op": "generate", "prompts": [[ids]], "max_tokens": [n], "sampling": {...}}`: one
+  `LLM.generate` of the token-id prompts (EOS ignored; `sampling`: SamplingParams fields,
+  temperature 1 and top-p 1 when it is absent) -> seconds, output tokens.
 - `{"op": "profile", ...generate fields}`: the same under `torch.profiler` -> per-op self CPU
   time (needs the engine in this process: the driver turns its multiprocessing off).
 - `{"op": "quit"}`.
@@ -67,9 +68,9 @@ def main(argv: list[str]) -> int:
         if cmd["op"] == "quit":
             break
         prompts = [{"prompt_token_ids": p} for p in cmd["prompts"]]
+        sampling = cmd.get("sampling") or {"temperature": 1.0, "top_p": 1.0}
         params = [
-            SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=n)
-            for n in cmd["max_tokens"]
+            SamplingParams(**sampling, ignore_eos=True, max_tokens=n) for n in cmd["max_tokens"]
         ]
         if cmd["op"] == "profile":
             _reply({"op": "profile", "rows": _profile(llm, prompts, params, cmd.get("top", 40))})

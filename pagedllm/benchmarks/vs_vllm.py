@@ -7,7 +7,9 @@ Usage:
 Each engine runs in its own worker process (`llm_worker.py`; vLLM's under its own virtual
 environment, set up by `env.sh`), is built once (start-up is reported, not timed into the
 figures), and then gets the same token-id prompts through its `LLM.generate`, with its own
-defaults otherwise. Every round runs each workload on each engine in turn, the engines'
+defaults otherwise (every request at temperature 1, top-p 1, EOS ignored; `--sampling JSON`
+sets other SamplingParams fields for all of them). Every round runs each workload on each
+engine in turn, the engines'
 order rotating from round to round; figures are medians over rounds. Each round draws fresh
 prompts (the same for every engine), so prefix caching never spans runs.
 
@@ -135,9 +137,14 @@ def workload(name: str, vocab: int, seed: int) -> list[tuple[list[list[int]], li
     raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")
 
 
-def run_workload(worker: Worker, name: str, vocab: int, seed: int) -> dict:
+def run_workload(
+    worker: Worker, name: str, vocab: int, seed: int, sampling: dict | None = None
+) -> dict:
     calls = workload(name, vocab, seed)
-    results = [worker.ask({"op": "generate", "prompts": p, "max_tokens": m}) for p, m in calls]
+    results = [
+        worker.ask({"op": "generate", "prompts": p, "max_tokens": m, "sampling": sampling})
+        for p, m in calls
+    ]
     if name == "decode1":
         tpot = (results[0]["seconds"] - results[1]["seconds"]) / DECODE_TOKENS
         return {"ms_per_token": tpot * 1e3, "tokens_per_s": 1 / tpot}
@@ -237,6 +244,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--pagedllm-kwargs", default="{}", help="JSON LLM kwargs for pagedllm")
     p.add_argument("--vllm-kwargs", default="{}", help="JSON LLM kwargs for vLLM")
+    p.add_argument(
+        "--sampling",
+        type=json.loads,
+        default=None,
+        help='JSON SamplingParams fields of every request (default {"temperature": 1.0, '
+        '"top_p": 1.0}), e.g. a checkpoint\'s generation_config defaults',
+    )
     p.add_argument("--output-json", default=None)
     return p.parse_args(argv)
 
@@ -293,7 +307,7 @@ def run_timings(args: argparse.Namespace, workers: list[Worker], vocab: int) -> 
         order = workers[r % len(workers) :] + workers[: r % len(workers)]
         for name in args.workloads:
             for w in order:
-                res = run_workload(w, name, vocab, seed=r)
+                res = run_workload(w, name, vocab, seed=r, sampling=args.sampling)
                 runs[w.name][name].append(res)
                 print(f"round {r} {name} {w.name}: {res}", file=sys.stderr)
     shape = ModelShape.from_dir(args.model)

@@ -42,7 +42,8 @@ def test_driver_runs_pagedllm_and_int8(tiny_model_dir, tmp_path, capsys, monkeyp
     monkeypatch.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")  # the workers inherit it
     out = tmp_path / "result.json"
     argv = ["--model", tiny_model_dir, "--engines", "pagedllm", "--int8", "--rounds", "1",
-            "--workloads", "decode1", "prefill", "--kv-cache-gib", "0.05", "--output-json", str(out)]  # fmt: skip
+            "--workloads", "decode1", "prefill", "--kv-cache-gib", "0.05", "--output-json", str(out),
+            "--sampling", '{"temperature": 0.7, "top_k": 20, "top_p": 0.8}']  # fmt: skip
     assert vs_vllm.main(argv) == 0
     result = json.loads(out.read_text())
     for name in ("pagedllm", "pagedllm-int8"):
@@ -51,6 +52,18 @@ def test_driver_runs_pagedllm_and_int8(tiny_model_dir, tmp_path, capsys, monkeyp
             result[name]["prefill"]["tokens_per_s"] > 0 and result[name]["prefill"]["gflop_s"] > 0
         )
     assert "| decode1 |" in capsys.readouterr().out
+
+
+def test_sampling_fields_reach_every_request(tiny_model_dir, monkeypatch):
+    """--sampling's fields become the requests' SamplingParams: one the engine refuses stops
+    the run with the worker's error instead of being ignored."""
+    import pytest
+
+    monkeypatch.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")
+    argv = ["--model", tiny_model_dir, "--engines", "pagedllm", "--rounds", "1",
+            "--workloads", "decode1", "--kv-cache-gib", "0.05", "--sampling", '{"top_p": 0.0}']  # fmt: skip
+    with pytest.raises(RuntimeError, match="worker exited"):
+        vs_vllm.main(argv)
 
 
 def test_no_amx_runs_both_engines_without_tiles(monkeypatch):
