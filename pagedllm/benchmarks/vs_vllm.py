@@ -9,9 +9,9 @@ environment, set up by `env.sh`), is built once (start-up is reported, not timed
 figures), and then gets the same token-id prompts through its `LLM.generate`, with its own
 defaults otherwise (every request at temperature 1, top-p 1, EOS ignored; `--sampling JSON`
 sets other SamplingParams fields for all of them). Every round runs each workload on each
-engine in turn, the engines'
-order rotating from round to round; figures are medians over rounds. Each round draws fresh
-prompts (the same for every engine), so prefix caching never spans runs.
+engine in turn, the engines' order rotating from round to round; figures are medians over
+rounds. Each round draws fresh prompts (the same for every engine), so prefix caching never
+spans runs.
 
 Workloads (the issue's):
 - `mixed`: 128 prompts of 32-256 tokens, 16-128 output tokens (uniform).

@@ -553,14 +553,21 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
   });
 }
 
+// The sampling ops' logits (float32 [B, V], contiguous rows) and CPU, checked for op `name`;
+// whether the AVX-512 kernels run (else AVX2).
+bool check_sample_logits(const at::Tensor& logits, const char* name) {
+  const bool avx512 = cpu_has_avx512();
+  TORCH_CHECK(avx512 || cpu_has_avx2_fma(), "pagedllm::", name, " needs AVX-512 or AVX2 + FMA");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1,
+              "logits: float32 [B, V] with contiguous rows");
+  return avx512;
+}
+
 // One token per row of logits [B, V] (fp32) drawn with temperature [B] and uniform u [B] in
 // [0, 1) (sampling.h); rows whose temperature is not above 0 (greedy rows of a mixed batch,
 // which the caller takes from its argmax) are not drawn and get token 0.
 at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& u) {
-  const bool avx512 = cpu_has_avx512();
-  TORCH_CHECK(avx512 || cpu_has_avx2_fma(), "pagedllm::sample_rows needs AVX-512 or AVX2 + FMA");
-  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1,
-              "logits: float32 [B, V] with contiguous rows");
+  const bool avx512 = check_sample_logits(logits, "sample_rows");
   const int64_t B = logits.size(0), V = logits.size(1);
   for (const at::Tensor* t : {&temperature, &u})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == B,
@@ -594,10 +601,7 @@ std::tuple<at::Tensor, at::Tensor> sample_rows_truncated(const at::Tensor& logit
                                                          const at::Tensor& top_p, const at::Tensor& floor,
                                                          const at::Tensor& log_min_p, const at::Tensor& u,
                                                          const at::Tensor& bound) {
-  const bool avx512 = cpu_has_avx512();
-  TORCH_CHECK(avx512 || cpu_has_avx2_fma(), "pagedllm::sample_rows_truncated needs AVX-512 or AVX2 + FMA");
-  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1,
-              "logits: float32 [B, V] with contiguous rows");
+  const bool avx512 = check_sample_logits(logits, "sample_rows_truncated");
   const int64_t B = logits.size(0), V = logits.size(1);
   for (const at::Tensor* t : {&temperature, &top_p, &floor, &log_min_p, &u, &bound})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == B,
@@ -614,15 +618,16 @@ std::tuple<at::Tensor, at::Tensor> sample_rows_truncated(const at::Tensor& logit
     std::vector<float> w(chunks * kSampleChunk), sums(chunks), above(chunks);
     for (int64_t r = b; r < e; ++r) {
       const float* row = x + r * logits.stride(0);
-      nb[r] = -1.f;
-      if (!(temp[r] > 0.f))
+      if (!(temp[r] > 0.f)) {
         tok[r] = 0;
-      else if (avx512)
+        nb[r] = -1.f;
+      } else if (avx512) {
         tok[r] = sample_row_truncated<SampleAvx512>(row, V, temp[r], pp[r], fl[r], lm[r], uu[r], bb[r], w.data(),
                                                     sums.data(), above.data(), nb + r);
-      else
+      } else {
         tok[r] = sample_row_truncated<SampleAvx2>(row, V, temp[r], pp[r], fl[r], lm[r], uu[r], bb[r], w.data(),
                                                   sums.data(), above.data(), nb + r);
+      }
     }
   });
   return {out, next};
@@ -632,10 +637,7 @@ std::tuple<at::Tensor, at::Tensor> sample_rows_truncated(const at::Tensor& logit
 // (int64): apply_top_k's threshold, -inf where k is not below V (top-k off) or the row has
 // fewer than k logits above -inf (sampling.h's kth_largest, one filtering pass a row).
 at::Tensor top_k_floors(const at::Tensor& logits, const at::Tensor& top_k) {
-  const bool avx512 = cpu_has_avx512();
-  TORCH_CHECK(avx512 || cpu_has_avx2_fma(), "pagedllm::top_k_floors needs AVX-512 or AVX2 + FMA");
-  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1,
-              "logits: float32 [B, V] with contiguous rows");
+  const bool avx512 = check_sample_logits(logits, "top_k_floors");
   const int64_t B = logits.size(0), V = logits.size(1);
   TORCH_CHECK(top_k.scalar_type() == at::kLong && top_k.is_contiguous() && top_k.numel() == B, "top_k: int64 [B]");
   at::Tensor out = at::empty({B}, logits.options());
@@ -656,10 +658,7 @@ at::Tensor top_k_floors(const at::Tensor& logits, const at::Tensor& top_k) {
 // The first index of each row's maximum of logits [B, V] (fp32, contiguous rows), a NaN above
 // every number: torch.argmax(logits, -1) in one pass a row (sampling.h), for greedy rows.
 at::Tensor argmax_rows(const at::Tensor& logits) {
-  const bool avx512 = cpu_has_avx512();
-  TORCH_CHECK(avx512 || cpu_has_avx2_fma(), "pagedllm::argmax_rows needs AVX-512 or AVX2 + FMA");
-  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1,
-              "logits: float32 [B, V] with contiguous rows");
+  const bool avx512 = check_sample_logits(logits, "argmax_rows");
   const int64_t B = logits.size(0), V = logits.size(1);
   TORCH_CHECK(V > 0, "logits: an empty row has no argmax");
   at::Tensor out = at::empty({B}, logits.options().dtype(at::kLong));

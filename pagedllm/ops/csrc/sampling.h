@@ -111,7 +111,7 @@ constexpr float kSampleExpFloor = -87.3f;
         if (bound >= 0.f) above[c] = REDUCE_ADD(kept);                                           \
       }                                                                                          \
     }                                                                                            \
-    /* The sum of row_weights' w[0..n) above v (whole vectors: its zeros past n). */                                \
+    /* The sum of row_weights' w[0..n) above v (whole vectors: its zeros past n). */          \
     TARGET static float mass_above(const float* w, int64_t n, float v) {                        \
       const VEC bv = SET1(v);                                                                    \
       VEC acc = SET1(0.f);                                                                       \
@@ -263,7 +263,7 @@ static int64_t sample_row_truncated(const float* x, int64_t n, float temperature
   const float m = Ops::row_max(x, n), inv_t = 1.f / temperature;
   const int64_t chunks = (n + kSampleChunk - 1) / kSampleChunk;
   const bool restricted = bound >= 0.f;
-  Ops::row_weights(x, n, m, inv_t, floor, log_min_p, restricted ? bound : -1.f, w, sums, above);
+  Ops::row_weights(x, n, m, inv_t, floor, log_min_p, bound, w, sums, above);
   *next_bound = -1.f;
   float rest;
   const int64_t c = pick_chunk(restricted ? above : sums, chunks, u, &rest);
@@ -319,8 +319,8 @@ PAGEDLLM_AVX2_TARGET static int64_t values_above8(const float* x, int64_t i0, in
 // the top k of the prefix read so far plus the values since above the k-th of them (thr, -inf
 // at first); once it holds max(4 k, 512) values it is cut back to its top k (nth_element),
 // which raises thr (at 64 rows of 49,152 logits and k = 20, 0.54 ms against 0.84 with cuts at
-// 2,048 and torch.topk's 2-3 ms). A value equal to thr cannot change the answer once k values at least thr are
-// held, so the filter is strict. NaNs never pass (a row with them has no meaningful top k).
+// 2,048 and torch.topk's 2-3 ms). A value equal to thr cannot change the answer once k values
+// at least thr are held, so the filter is strict. NaNs never pass (a row with them has no meaningful top k).
 template <bool avx512>
 static float kth_largest(const float* x, int64_t n, int64_t k, std::vector<float>& buf) {
   if (k < 1 || k > n) return -INFINITY;
