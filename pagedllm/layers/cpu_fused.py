@@ -4,7 +4,8 @@ decode-only step of `CpuAttentionBackend` without a KV connector, every layer of
 its pipeline stage) in one call, each a whole layer with the backend's K/V write and decode
 kernel (`FusedStack`, ops.cpp's `DecodeStack` running `decoder_layer_decode` per layer).
 
-`attention_in`: input RMSNorm (with the residual add), the QKV projection and RoPE;
+`attention_in`: input RMSNorm (with the residual add), the QKV projection, the per-head q/k
+RMSNorm where the model has one (Qwen3) and RoPE;
 `attention_out_mlp`: the output projection, post-attention RMSNorm (with the residual add),
 gate/up projection, SiLU x mul and down projection. They run the kernels the layer's modules
 would run, in the same order, so the outputs are bit for bit the same; what they save is the
@@ -19,7 +20,7 @@ plan; otherwise decode-only steps go layer by layer as other steps do.
 
 `layer_plan(layer)` decides once per layer (at its first forward, after the weights are packed)
 whether the layer qualifies: every projection on a native panel kernel with one
-tensor-parallel rank, native norms, plain RoPE and SiLU, no per-head q/k norm, no
+tensor-parallel rank, native norms (the per-head q/k norms included), plain RoPE and SiLU, no
 batch-invariant mode. Otherwise it returns None and the layer keeps its modules.
 """
 
@@ -62,6 +63,7 @@ class FusedLayer:
     tail: tuple  # attention_out_mlp's arguments after (attn, residual)
     projections: tuple  # _projection's tuples: qkv, o, gate_up, down
     norms: tuple  # (input norm, post-attention norm) RMSNorm modules
+    qk_norm: tuple  # (q_norm weight, k_norm weight, eps), or (None, None, 0.0) without
 
     def forward(
         self,
@@ -76,7 +78,7 @@ class FusedLayer:
         attn = layer.self_attn.attn
         rope = layer.self_attn.rotary_emb
         rope_args = (positions, rope.cos_sin_cache, rope.head_size, rope.rotary_dim)
-        qkv = ops.attention_in.default(hidden, residual, *self.head, *rope_args)
+        qkv = ops.attention_in.default(hidden, residual, *self.head, *rope_args, *self.qk_norm)
         if residual is None:
             residual = hidden
         q_size, kv_size = layer.self_attn.q_size, layer.self_attn.kv_size
@@ -95,11 +97,17 @@ def layer_plan(layer: Any) -> FusedLayer | None:
     if any(type(n) is not RMSNorm for n in norms):  # EAGLE's first layer: no input norm
         return None
     dtype = norms[0].weight.dtype
-    if dtype not in (torch.bfloat16, torch.float32) or attn.qk_norm:
+    if dtype not in (torch.bfloat16, torch.float32):
+        return None
+    head_norms = (attn.q_norm, attn.k_norm) if attn.qk_norm else ()
+    if any(type(n) is not RMSNorm for n in head_norms):
         return None
     if any(
-        n.batch_invariant or n.weight.dtype != dtype or n.weight.device.type != "cpu" for n in norms
+        n.batch_invariant or n.weight.dtype != dtype or n.weight.device.type != "cpu"
+        for n in (*norms, *head_norms)
     ):
+        return None
+    if head_norms and attn.q_norm.eps != attn.k_norm.eps:
         return None
     if (
         type(mlp.act_fn) is not SiluAndMul
@@ -113,12 +121,14 @@ def layer_plan(layer: Any) -> FusedLayer | None:
         return None
     qkv, o, gate_up, down = projections
     n_in, n_post = norms
+    qk_norm = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if head_norms else None
     return FusedLayer(
         dtype=dtype,
         head=(n_in.weight, n_in.eps, *qkv, attn.q_size, attn.kv_size),
         tail=(*o, n_post.weight, n_post.eps, *gate_up, *down),
         projections=tuple(projections),
         norms=norms,
+        qk_norm=qk_norm or (None, None, 0.0),
     )
 
 
@@ -137,9 +147,10 @@ class FusedStack:
                 tensors += [panels, scale, colsum, bias]
                 ints += [kind, n]
             n_in, n_post = plan.norms
-            tensors += [n_in.weight, n_post.weight, rope.cos_sin_cache]
+            q_norm, k_norm, qk_eps = plan.qk_norm
+            tensors += [n_in.weight, n_post.weight, rope.cos_sin_cache, q_norm, k_norm]
             ints += [attn.q_size, attn.kv_size, rope.head_size, rope.rotary_dim]
-            self.native.add_layer(tensors, ints, [n_in.eps, n_post.eps, attn.attn.scale])
+            self.native.add_layer(tensors, ints, [n_in.eps, n_post.eps, attn.attn.scale, qk_eps])
 
     def forward(
         self,

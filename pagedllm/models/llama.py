@@ -155,9 +155,9 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm:
-            q = self.q_norm(q.reshape(num_tokens, -1, self.head_dim)).view(num_tokens, -1)
-            k = self.k_norm(k.reshape(num_tokens, -1, self.head_dim)).view(num_tokens, -1)
+        if self.qk_norm:  # each head a row: the norms' native row kernel takes 2-D rows
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(num_tokens, self.q_size)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(num_tokens, self.kv_size)
         q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q, k, v.contiguous(), attn_metadata)  # [T, H * D]
         return self.o_proj(out)  # [T, hidden]

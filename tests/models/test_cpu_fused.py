@@ -62,6 +62,8 @@ def _run(model_dir, monkeypatch, **kw):
         ("llama", "bfloat16", None),
         ("llama", "float32", None),
         ("qwen2", "bfloat16", None),  # biases on q, k, v
+        ("qwen3", "bfloat16", None),  # a per-head RMSNorm of q and k before RoPE
+        ("qwen3", "float32", "int8"),
         ("llama", "bfloat16", "int8"),
         ("mistral", "float32", "int8"),
     ],
@@ -108,6 +110,6 @@ def test_fused_layers_change_no_output(arch, dtype, quantization, tiny_model_dir
 
 
 def test_layers_that_do_not_qualify_keep_their_modules(tiny_model_dirs, monkeypatch):
-    # Qwen3's per-head q/k norm is not in the fused ops.
-    _, plans = _run(tiny_model_dirs["qwen3"], monkeypatch, dtype="bfloat16")
+    # Batch-invariant mode's norms and products are not the fused ops' kernels.
+    _, plans = _run(tiny_model_dirs["qwen3"], monkeypatch, dtype="bfloat16", batch_invariant=True)
     assert plans and not any(plans)

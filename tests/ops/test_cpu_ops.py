@@ -548,11 +548,12 @@ def _project(x: torch.Tensor, p: tuple) -> torch.Tensor:
 @needs_avx2
 @pytest.mark.parametrize("kind", ["avx2", "int8", "bf16"])
 @pytest.mark.parametrize("rows", [7, 600, 1025])
-def test_attention_in_is_the_separate_ops(kind, rows):
-    """The fused op runs the (residual add +) RMSNorm, the QKV projection and RoPE exactly as
-    the separate ops do, a prefill in row chunks (600 rows: two; 1025: two, the one-row
-    remainder joined to the last) included: the same bits, and the same residual stream left
-    behind."""
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_attention_in_is_the_separate_ops(kind, rows, qk_norm):
+    """The fused op runs the (residual add +) RMSNorm, the QKV projection, the per-head q/k
+    RMSNorm (Qwen3's, when given) and RoPE exactly as the separate ops do, a prefill in row
+    chunks (600 rows: two; 1025: two, the one-row remainder joined to the last) included: the
+    same bits, and the same residual stream left behind."""
     if kind == "bf16" and not ops.cpu_has_avx512_bf16():
         pytest.skip("no AVX512-BF16 on this CPU")
     g = torch.Generator().manual_seed(rows)
@@ -563,20 +564,50 @@ def test_attention_in_is_the_separate_ops(kind, rows):
     positions = torch.randint(0, 4096, (rows,), generator=g)
     x = torch.randn(rows, hidden, generator=g).to(dtype)
     norm = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
+    head_norms = [(torch.rand(d, generator=g) + 0.5).to(dtype) for _ in range(2)]
+    qk_args = (*head_norms, 1e-6) if qk_norm else ()
+
+    def fused(residual, *extra):
+        rope_args = (positions, rope.cos_sin_cache, d, d)
+        return ops.attention_in(
+            x, residual, norm, 1e-5, *qkv_p, q_size, kv_size, *rope_args, *extra
+        )
+
     for residual in (None, torch.randn(rows, hidden, generator=g).to(dtype)):
         res_ref = None if residual is None else residual.clone()
+        res_plain = None if residual is None else residual.clone()
         if residual is None:
             h = ops.rms_norm(x, norm, 1e-5)
         else:
             h = ops.fused_add_rms_norm(x, res_ref, norm, 1e-5)
         ref = _project(h, qkv_p)
         q, k = ref[:, :q_size], ref[:, q_size : q_size + kv_size]
+        if qk_norm:  # each head a row, as Qwen3's attention module runs them
+            q.copy_(ops.rms_norm(q.reshape(-1, d), head_norms[0], 1e-6).view(rows, q_size))
+            k.copy_(ops.rms_norm(k.reshape(-1, d), head_norms[1], 1e-6).view(rows, kv_size))
         ops.rotary_embedding(positions, q, k, rope.cos_sin_cache, d, d)
-        out = ops.attention_in(
-            x, residual, norm, 1e-5, *qkv_p, q_size, kv_size, positions, rope.cos_sin_cache, d, d
-        )
+        out = fused(residual, *qk_args)
         assert torch.equal(out, ref)
         assert residual is None or torch.equal(residual, res_ref)
+        if qk_norm:  # the norms act: without them q and k differ, v does not
+            plain = fused(res_plain)
+            width = q_size + kv_size
+            assert not torch.equal(out[:, :width], plain[:, :width])
+            assert torch.equal(out[:, width:], plain[:, width:])
+
+
+@needs_avx2
+def test_attention_in_refuses_half_the_qk_norms():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, generator=g)
+    qkv_p = _projection("avx2", 4 * 32, 64, g, torch.float32)
+    rope = get_rope(32, 32, 64, 10000.0)
+    args = (x, None, torch.ones(64), 1e-5, *qkv_p, 64, 32, torch.arange(3), rope.cos_sin_cache)
+    w = torch.ones(32)
+    with pytest.raises(RuntimeError, match="q_norm and k_norm go together"):
+        ops.attention_in(*args, 32, 32, w, None, 1e-6)
+    with pytest.raises(RuntimeError, match=r"q_norm / k_norm: \[head_size\]"):
+        ops.attention_in(*args, 32, 32, w, torch.ones(16), 1e-6)
 
 
 @needs_avx2

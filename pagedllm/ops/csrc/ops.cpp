@@ -458,6 +458,17 @@ at::Tensor linear_int8_silu_mul(const at::Tensor& x, const at::Tensor& w, const 
 }
 
 
+// rms_norm's row kernel for E: norm(out, x, residual or null, weight, n, eps, tmp: n floats).
+// It reads all of x before it writes out, so out may be x.
+template <class E>
+auto rms_norm_kernel() {
+  void (*row)(typename E::T*, const typename E::T*, typename E::T*, const typename E::T*, int64_t,
+              float, float*) = rms_norm_row;
+  if constexpr (std::is_same_v<E, Bf16>)
+    if (cpu_has_avx512_bf16()) row = rms_norm_row_bf16;
+  return row;
+}
+
 at::Tensor rms_norm_impl(const at::Tensor& x, at::Tensor* residual, const at::Tensor& weight,
                          double eps) {
   check_any_rows(x, "x");
@@ -471,10 +482,7 @@ at::Tensor rms_norm_impl(const at::Tensor& x, at::Tensor* residual, const at::Te
   const int64_t T = x.size(0), n = x.size(1);
   at::Tensor out = at::empty({T, n}, x.options());
   by_dtype(x, "x", [&]<class E>() {
-    using V = typename E::T;
-    void (*row)(V*, const V*, V*, const V*, int64_t, float, float*) = rms_norm_row;
-    if constexpr (std::is_same_v<E, Bf16>)
-      if (cpu_has_avx512_bf16()) row = rms_norm_row_bf16;
+    const auto row = rms_norm_kernel<E>();
     at::parallel_for(0, T, row_grain(n), [&](int64_t b, int64_t e) {
       const ThreadScratch<float, kNormScratch> scratch(n);
       float* tmp = scratch.get();
@@ -533,24 +541,73 @@ auto rope_kernel() {
   return rope;
 }
 
-void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
-                      const at::Tensor& cos_sin_cache, int64_t head_size, int64_t rot) {
+// A per-head RMSNorm of the query and key heads before RoPE (Qwen3's q_norm and k_norm:
+// [head_size] weights in the rows' dtype; `on` is false in models without one). Each head is
+// normalized in place by rms_norm's row kernel, so a head gets the bits that rms_norm gives
+// it as a row of [T * heads, head_size].
+struct HeadNorms {
+  bool on = false;
+  at::Tensor q, k;
+  float eps = 0.f;
+
+  HeadNorms() = default;
+  HeadNorms(const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+            double qk_eps, const at::Tensor& like, int64_t head_size) {
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm go together");
+    if (!q_norm) return;
+    for (const at::Tensor* w : {&*q_norm, &*k_norm}) {
+      check_like(*w, like, "q_norm / k_norm");
+      TORCH_CHECK(w->is_contiguous() && w->numel() == head_size, "q_norm / k_norm: [head_size]");
+    }
+    on = true, q = *q_norm, k = *k_norm, eps = static_cast<float>(qk_eps);
+  }
+  // Normalizes `heads` heads at x (query heads, or key heads when key) in place; tmp: head_size
+  // floats. A no-op when off.
+  template <class E>
+  void apply(typename E::T* x, int64_t heads, int64_t head_size, bool key, float* tmp) const {
+    if (!on) return;
+    const auto norm = rms_norm_kernel<E>();
+    const typename E::T* w = data<E>(key ? k : q);
+    for (int64_t h = 0; h < heads; ++h)
+      norm(x + h * head_size, x + h * head_size, nullptr, w, head_size, eps, tmp);
+  }
+};
+
+// Most floats a head's norm takes as scratch on the stack (head sizes up to this).
+constexpr int64_t kMaxHeadSize = 512;
+
+// RoPE on rows of q and k (whole heads each), after the per-head norms when `norms` are on.
+void rope_rows(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
+               const at::Tensor& cos_sin_cache, int64_t head_size, int64_t rot,
+               const HeadNorms& norms) {
   check_any_rows(q, "query");
   check_any_rows(k, "key");
   check_like(k, q, "key");
+  TORCH_CHECK(!norms.on || head_size <= kMaxHeadSize, "q/k norms: head size ", head_size, " over ",
+              kMaxHeadSize);
   const int64_t* pos = checked_positions(positions, cos_sin_cache, rot);
   const int64_t T = q.size(0), hq = q.size(1) / head_size, hk = k.size(1) / head_size;
   const float* cs = cos_sin_cache.data_ptr<float>();
   by_dtype(q, "query", [&]<class E>() {
     const auto rope = rope_kernel<E>();
     at::parallel_for(0, T, row_grain(q.size(1) + k.size(1)), [&](int64_t b, int64_t e) {
+      float tmp[kMaxHeadSize];
       for (int64_t t = b; t < e; ++t) {
         const float* row = cs + pos[t] * rot;
-        rope(data<E>(q) + t * q.stride(0), hq, head_size, rot, row);
-        rope(data<E>(k) + t * k.stride(0), hk, head_size, rot, row);
+        typename E::T* qt = data<E>(q) + t * q.stride(0);
+        typename E::T* kt = data<E>(k) + t * k.stride(0);
+        norms.apply<E>(qt, hq, head_size, false, tmp);
+        norms.apply<E>(kt, hk, head_size, true, tmp);
+        rope(qt, hq, head_size, rot, row);
+        rope(kt, hk, head_size, rot, row);
       }
     });
   });
+}
+
+void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
+                      const at::Tensor& cos_sin_cache, int64_t head_size, int64_t rot) {
+  rope_rows(positions, q, k, cos_sin_cache, head_size, rot, HeadNorms());
 }
 
 // The sampling ops' logits (float32 [B, V], contiguous rows) and CPU, checked for op `name`;
@@ -765,8 +822,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
 
 // A decode step's rotary_embedding, reshape_and_cache and paged_decode_attention on its qkv
 // rows [T, q_size + 2 kv_size] (one request a row, one slot a row) in one pass: each attention
-// item (request b, KV head h) first rotates row b's query heads of group h and its key head h
-// in place and writes key and value head h into the cache, on the thread that then attends
+// item (request b, KV head h) first normalizes (Qwen3's q/k norms, when on) and rotates row
+// b's query heads of group h and its key head h in place and writes key and value head h into
+// the cache, on the thread that then attends
 // with them. The same kernels on the same values as the three ops, so the same bits; what it
 // saves is two serial steps a layer on one thread (RoPE and the K/V write took 3.5 and 5-6 us
 // a layer of an int8 batch-1 step, mostly waiting on memory, while the other thread idled).
@@ -774,7 +832,8 @@ at::Tensor decode_rope_cache_attention(const at::Tensor& qkv, int64_t q_size, in
                                        const at::Tensor& positions, const at::Tensor& cos_sin_cache,
                                        int64_t head_size, int64_t rot, at::Tensor& kv_cache,
                                        const at::Tensor& slot_mapping, const at::Tensor& block_table,
-                                       const at::Tensor& seq_lens, int64_t max_seq_len, double scale) {
+                                       const at::Tensor& seq_lens, int64_t max_seq_len, double scale,
+                                       const HeadNorms& norms) {
   check_any_rows(qkv, "qkv");
   const int64_t T = qkv.size(0), hkv = kv_size / head_size;
   TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size && kv_size % head_size == 0 && q_size % kv_size == 0,
@@ -782,6 +841,8 @@ at::Tensor decode_rope_cache_attention(const at::Tensor& qkv, int64_t q_size, in
   TORCH_CHECK(positions.numel() == T && slot_mapping.numel() == T, "a position and a slot a row");
   check_kv_cache(kv_cache, qkv);
   TORCH_CHECK(kv_cache.size(3) == hkv && kv_cache.size(4) == head_size, "kv_cache: [2, blocks, block_size, Hkv, D]");
+  TORCH_CHECK(!norms.on || head_size <= kMaxHeadSize, "q/k norms: head size ", head_size, " over ",
+              kMaxHeadSize);
   const int64_t* pos = checked_positions(positions, cos_sin_cache, rot);
   const int64_t* slot = checked_slots(slot_mapping, kv_cache.size(1) * kv_cache.size(2));
   const float* cs = cos_sin_cache.data_ptr<float>();
@@ -795,6 +856,11 @@ at::Tensor decode_rope_cache_attention(const at::Tensor& qkv, int64_t q_size, in
         V* r = data<E>(qkv) + b * ld;
         V* k = r + q_size + h * head_size;
         const float* c = cs + pos[b] * rot;
+        if (norms.on) {
+          float tmp[kMaxHeadSize];
+          norms.apply<E>(r + h * group * head_size, group, head_size, false, tmp);
+          norms.apply<E>(k, 1, head_size, true, tmp);
+        }
         rope(r + h * group * head_size, group, head_size, rot, c);
         rope(k, 1, head_size, rot, c);
         V* kc = data<E>(kv_cache) + slot[b] * row + h * head_size;
@@ -916,7 +982,8 @@ void for_row_chunks(int64_t T, F&& f) {
   }
 }
 
-// qkv = qkv_proj(rms_norm(x + residual)) with RoPE applied to its q and k columns in place;
+// qkv = qkv_proj(rms_norm(x + residual)) with RoPE (after the per-head q/k norms, when
+// given) applied to its q and k columns in place;
 // residual (when given) becomes x + residual, as fused_add_rms_norm leaves it. A prefill in
 // row chunks, as attention_out_mlp's MLP: the normed rows and each chunk's q / k stay in
 // cache between the three steps (an 8,192-token prefill 1.04-1.13x faster end to end,
@@ -927,8 +994,11 @@ at::Tensor attention_in(const at::Tensor& x, const c10::optional<at::Tensor>& re
                         const c10::optional<at::Tensor>& qkv_colsum,
                         const c10::optional<at::Tensor>& qkv_bias, int64_t qkv_n, int64_t q_size,
                         int64_t kv_size, const at::Tensor& positions,
-                        const at::Tensor& cos_sin_cache, int64_t head_size, int64_t rot) {
+                        const at::Tensor& cos_sin_cache, int64_t head_size, int64_t rot,
+                        const c10::optional<at::Tensor>& q_norm,
+                        const c10::optional<at::Tensor>& k_norm, double qk_eps) {
   TORCH_CHECK(q_size + 2 * kv_size == qkv_n, "q_size + 2 * kv_size must be the qkv width");
+  const HeadNorms norms(q_norm, k_norm, qk_eps, x, head_size);
   const int64_t T = x.size(0);
   at::Tensor qkv = at::empty({T, qkv_n}, x.options());
   // Rows xr (their residual rows rr, positions pos) -> their rows out of qkv.
@@ -936,7 +1006,7 @@ at::Tensor attention_in(const at::Tensor& x, const c10::optional<at::Tensor>& re
     at::Tensor h = rms_norm_impl(xr, rr, norm_weight, eps);
     project(h, qkv_kind, qkv_w, qkv_scale, qkv_colsum, qkv_bias, qkv_n, &out);
     at::Tensor q = out.narrow(1, 0, q_size), k = out.narrow(1, q_size, kv_size);
-    rotary_embedding(pos, q, k, cos_sin_cache, head_size, rot);
+    rope_rows(pos, q, k, cos_sin_cache, head_size, rot, norms);
   };
   at::Tensor res = residual ? *residual : at::Tensor();
   if (T <= prefill_chunk_rows()) {
@@ -991,7 +1061,7 @@ at::Tensor attention_out_mlp(
 }
 
 // A whole layer for a decode-only step (one request, one position and one slot a row):
-// attention_in's norm and QKV projection, then decode_rope_cache_attention (RoPE, the K/V rows
+// attention_in's norm and QKV projection, then decode_rope_cache_attention (q/k norms, RoPE, the K/V rows
 // into the cache, decode attention over every row), attention_out_mlp. Without a residual (the first layer) x is the residual stream,
 // updated in place.
 at::Tensor decoder_layer_decode(
@@ -1009,16 +1079,19 @@ at::Tensor decoder_layer_decode(
     const c10::optional<at::Tensor>& gu_colsum, const c10::optional<at::Tensor>& gu_bias,
     int64_t gu_n, int64_t down_kind, const at::Tensor& down_w,
     const c10::optional<at::Tensor>& down_scale, const c10::optional<at::Tensor>& down_colsum,
-    const c10::optional<at::Tensor>& down_bias, int64_t down_n) {
+    const c10::optional<at::Tensor>& down_bias, int64_t down_n,
+    const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
+    double qk_eps) {
   const int64_t T = x.size(0);
   TORCH_CHECK(block_table.size(0) == T && seq_lens.numel() == T,
               "decoder_layer_decode: one decode request a row");
+  const HeadNorms norms(q_norm, k_norm, qk_eps, x, head_size);
   at::Tensor res = residual ? *residual : x;
   const at::Tensor h = rms_norm_impl(x, residual ? &res : nullptr, norm_weight, eps);
   const at::Tensor qkv = project(h, qkv_kind, qkv_w, qkv_scale, qkv_colsum, qkv_bias, qkv_n);
   const at::Tensor attn = decode_rope_cache_attention(
       qkv, q_size, kv_size, positions, cos_sin_cache, head_size, rot, kv_cache, slot_mapping,
-      block_table, seq_lens, max_seq_len, scale);
+      block_table, seq_lens, max_seq_len, scale, norms);
   return attention_out_mlp(attn.view({T, q_size}), res, o_kind, o_w, o_scale, o_colsum, o_bias,
                            o_n, norm2_weight, eps2, gu_kind, gu_w, gu_scale, gu_colsum, gu_bias,
                            gu_n, down_kind, down_w, down_scale, down_colsum, down_bias, down_n);
@@ -1039,7 +1112,8 @@ struct DecodeStack : torch::CustomClassHolder {
   };
   struct Layer {
     at::Tensor norm_w, norm2_w, cos_sin_cache;
-    double eps, eps2, scale;
+    c10::optional<at::Tensor> q_norm, k_norm;
+    double eps, eps2, scale, qk_eps;
     int64_t q_size, kv_size, head_size, rot;
     Projection qkv, o, gate_up, down;
   };
@@ -1054,8 +1128,10 @@ struct DecodeStack : torch::CustomClassHolder {
   // (both norms ~1.2 us faster a call, the int8 inputs' checks ~1 us, with this).
   static void prefetch_layer(const Layer& l, const at::Tensor& cache) {
     // Small tensors (read whole) first, then the large ones (their metadata only).
-    const at::Tensor* ts[20] = {&l.norm_w, &l.norm2_w};
+    const at::Tensor* ts[24] = {&l.norm_w, &l.norm2_w};
     int small = 2;
+    for (const c10::optional<at::Tensor>* t : {&l.q_norm, &l.k_norm})
+      if (*t) ts[small++] = &**t;
     const Projection* ps[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
     for (const Projection* p : ps)
       for (const c10::optional<at::Tensor>* t : {&p->scale, &p->colsum, &p->bias})
@@ -1074,12 +1150,13 @@ struct DecodeStack : torch::CustomClassHolder {
   }
 
   // tensors: per projection (qkv, o, gate_up, down) its weight, scale, colsum and bias, then
-  // the two norms' weights and the RoPE table; ints: the projections' kinds and widths
-  // (kind, n each), then q_size, kv_size, head_size, rot; floats: eps, eps2, scale.
+  // the two norms' weights, the RoPE table and the per-head q and k norms' weights (None
+  // without); ints: the projections' kinds and widths (kind, n each), then q_size, kv_size,
+  // head_size, rot; floats: eps, eps2, scale, the q/k norms' eps.
   void add_layer(const c10::List<c10::optional<at::Tensor>>& tensors, const c10::List<int64_t>& ints,
                  const c10::List<double>& floats) {
-    TORCH_CHECK(tensors.size() == 19 && ints.size() == 12 && floats.size() == 3,
-                "DecodeStack.add_layer: 19 tensors, 12 ints, 3 floats");
+    TORCH_CHECK(tensors.size() == 21 && ints.size() == 12 && floats.size() == 4,
+                "DecodeStack.add_layer: 21 tensors, 12 ints, 4 floats");
     auto need = [&](size_t i) {
       const c10::optional<at::Tensor> t = tensors.get(i);
       TORCH_CHECK(t.has_value(), "DecodeStack.add_layer: tensor ", i, " is required");
@@ -1093,8 +1170,9 @@ struct DecodeStack : torch::CustomClassHolder {
     l.norm_w = need(16);
     l.norm2_w = need(17);
     l.cos_sin_cache = need(18);
+    l.q_norm = tensors.get(19), l.k_norm = tensors.get(20);
     l.q_size = ints.get(8), l.kv_size = ints.get(9), l.head_size = ints.get(10), l.rot = ints.get(11);
-    l.eps = floats.get(0), l.eps2 = floats.get(1), l.scale = floats.get(2);
+    l.eps = floats.get(0), l.eps2 = floats.get(1), l.scale = floats.get(2), l.qk_eps = floats.get(3);
     layers.push_back(std::move(l));
   }
 
@@ -1117,7 +1195,7 @@ struct DecodeStack : torch::CustomClassHolder {
           block_table, seq_lens, max_seq_len, l.scale, l.o.kind, l.o.w, l.o.scale, l.o.colsum,
           l.o.bias, l.o.n, l.norm2_w, l.eps2, l.gate_up.kind, l.gate_up.w, l.gate_up.scale,
           l.gate_up.colsum, l.gate_up.bias, l.gate_up.n, l.down.kind, l.down.w, l.down.scale,
-          l.down.colsum, l.down.bias, l.down.n);
+          l.down.colsum, l.down.bias, l.down.n, l.q_norm, l.k_norm, l.qk_eps);
       if (!r) r = h;
       h = out;
     }
@@ -1182,7 +1260,8 @@ TORCH_LIBRARY(pagedllm, m) {
   m.def("attention_in(Tensor x, Tensor(a!)? residual, Tensor norm_weight, float eps, "
         "int qkv_kind, Tensor qkv_w, Tensor? qkv_scale, Tensor? qkv_colsum, Tensor? qkv_bias, "
         "int qkv_n, int q_size, int kv_size, Tensor positions, Tensor cos_sin_cache, "
-        "int head_size, int rot) -> Tensor", &pagedllm::attention_in);
+        "int head_size, int rot, Tensor? q_norm=None, Tensor? k_norm=None, float qk_eps=0.) "
+        "-> Tensor", &pagedllm::attention_in);
   m.def("attention_out_mlp(Tensor attn, Tensor(a!) residual, int o_kind, Tensor o_w, "
         "Tensor? o_scale, Tensor? o_colsum, Tensor? o_bias, int o_n, Tensor norm_weight, "
         "float eps, int gu_kind, Tensor gu_w, Tensor? gu_scale, Tensor? gu_colsum, "
@@ -1197,7 +1276,8 @@ TORCH_LIBRARY(pagedllm, m) {
         "Tensor? o_colsum, Tensor? o_bias, int o_n, Tensor norm2_weight, float eps2, "
         "int gu_kind, Tensor gu_w, Tensor? gu_scale, Tensor? gu_colsum, Tensor? gu_bias, "
         "int gu_n, int down_kind, Tensor down_w, Tensor? down_scale, Tensor? down_colsum, "
-        "Tensor? down_bias, int down_n) -> Tensor", &pagedllm::decoder_layer_decode);
+        "Tensor? down_bias, int down_n, Tensor? q_norm=None, Tensor? k_norm=None, "
+        "float qk_eps=0.) -> Tensor", &pagedllm::decoder_layer_decode);
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {
