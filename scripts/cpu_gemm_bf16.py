@@ -1,18 +1,22 @@
 """bf16 GEMMs on this CPU: oneDNN on its prepacked weight (`mkldnn._linear_pointwise`, what
 vLLM's CPU backend and pagedllm's "onednn" layout run) against pagedllm's bf16 panels
 (`torch.ops.pagedllm.linear`: AMX tiles from two rows on where the CPU has them, else
-AVX512-BF16). SmolLM2-135M's shapes; one weight per shape, reused (so the smaller ones are
-served from cache, as in a prefill); all threads; the median of 7 blocks of calls, the two
-kinds alternating block by block. Prints microseconds and GFLOP/s.
+AVX512-BF16). SmolLM2-135M's shapes, or with --model those of a checkpoint's config.json;
+one weight per shape, reused (so the smaller ones are served from cache, as in a prefill); all
+threads; the median of 7 blocks of calls, the two kinds alternating block by block. Prints
+microseconds and GFLOP/s.
 
-    python scripts/cpu_gemm_bf16.py [M ...]
+    python scripts/cpu_gemm_bf16.py [--model DIR] [M ...]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
 import sys
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -29,19 +33,38 @@ SHAPES = {
 }
 
 
+def model_shapes(model: str) -> dict[str, tuple[int, int]]:
+    """A checkpoint's projections (N x K) from its config.json."""
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    h, inter, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads") or heads
+    hd = cfg.get("head_dim") or h // heads
+    return {
+        "qkv": ((heads + 2 * kv) * hd, h),
+        "o": (h, heads * hd),
+        "gate_up": (2 * inter, h),
+        "down": (h, inter),
+        "lm_head": (cfg["vocab_size"], h),
+    }
+
+
 def main() -> None:
     ops = cpu_ops()
     if ops is None or not ops.cpu_has_avx512_bf16():
         sys.exit("needs pagedllm's native kernels and AVX512-BF16")
-    rows = [int(a) for a in sys.argv[1:]] or [1, 8, 64, 512]
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="take the shapes of this checkpoint")
+    p.add_argument("rows", nargs="*", type=int, default=[1, 8, 64, 512])
+    args = p.parse_args()
+    shapes = model_shapes(args.model) if args.model else SHAPES
     print(f"threads {torch.get_num_threads()}, AMX tiles: {ops.cpu_has_amx()}")
     print("| shape (N x K) | M | oneDNN | panels | oneDNN / panels |")
     print("|---|---|---|---|---|")
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in shapes.items():
         w = (torch.randn(n, k) * 0.05).bfloat16()
         packed = torch.ops.mkldnn._reorder_linear_weight(w)
         panels = to_panels(w)
-        for m in rows:
+        for m in args.rows:
             x = torch.randn(m, k).bfloat16()
             calls = max(3, int(1e8 / (2 * m * n * k)))
             kinds = {
