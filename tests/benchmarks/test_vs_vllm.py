@@ -24,6 +24,9 @@ def test_workloads_are_the_issues_and_seeded():
     assert len(prompts) == 128 and all(32 <= len(p) <= 256 for p in prompts) and outs == [1] * 128
     mixed = {tuple(p) for r in range(4) for p in vs_vllm.workload("mixed", 700, seed=r)[0][0]}
     assert not mixed & {tuple(p) for p in prompts}
+    ((prompts, outs),) = vs_vllm.workload("long", 700, seed=0)
+    assert len(prompts) == 16 and all(1024 <= len(p) <= 3072 for p in prompts)
+    assert all(32 <= n <= 128 for n in outs)
 
 
 def test_model_shape_counts_flops_and_bytes(tmp_path):
