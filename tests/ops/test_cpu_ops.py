@@ -548,8 +548,8 @@ def _project(x: torch.Tensor, p: tuple) -> torch.Tensor:
 @needs_avx2
 @pytest.mark.parametrize("kind", ["avx2", "int8", "bf16"])
 @pytest.mark.parametrize("rows", [7, 600, 1025])
-@pytest.mark.parametrize("qk_norm", [False, True])
-def test_attention_in_is_the_separate_ops(kind, rows, qk_norm):
+@pytest.mark.parametrize("qk_norm, d", [(False, 32), (True, 32), (True, 128)])
+def test_attention_in_is_the_separate_ops(kind, rows, qk_norm, d):
     """The fused op runs the (residual add +) RMSNorm, the QKV projection, the per-head q/k
     RMSNorm (Qwen3's, when given) and RoPE exactly as the separate ops do, a prefill in row
     chunks (600 rows: two; 1025: two, the one-row remainder joined to the last) included: the
@@ -557,7 +557,7 @@ def test_attention_in_is_the_separate_ops(kind, rows, qk_norm):
     if kind == "bf16" and not ops.cpu_has_avx512_bf16():
         pytest.skip("no AVX512-BF16 on this CPU")
     g = torch.Generator().manual_seed(rows)
-    dtype, hidden, heads, kv_heads, d = BF16, 128, 4, 2, 32
+    dtype, hidden, heads, kv_heads = BF16, 128, 4, 2
     q_size, kv_size = heads * d, kv_heads * d
     qkv_p = _projection(kind, q_size + 2 * kv_size, hidden, g, dtype)
     rope = get_rope(d, d, 4096, 10000.0)
@@ -634,6 +634,57 @@ def test_attention_out_mlp_is_the_separate_ops(kind, rows):
     ref = _project(ops.silu_and_mul(_project(h, gate_up)), down)
     out = ops.attention_out_mlp(attn, residual, *o, norm, 1e-5, *gate_up, *down)
     assert torch.equal(out, ref) and torch.equal(residual, res_ref)
+
+
+@needs_avx2
+@pytest.mark.parametrize("kind", ["avx2", "int8", "bf16"])
+@pytest.mark.parametrize("qk_norm, d", [(False, 64), (True, 64), (True, 128)])
+def test_decoder_layer_decode_is_the_separate_ops(kind, qk_norm, d):
+    """A decode-only step's whole layer in one call (FusedStack's op) is attention_in (norms,
+    QKV, the per-head q/k norms when given, RoPE), the K/V write, decode attention over the
+    paged cache and attention_out_mlp, bit for bit: the same output, residual and cache."""
+    if kind == "bf16" and not ops.cpu_has_avx512_bf16():
+        pytest.skip("no AVX512-BF16 on this CPU")
+    g = torch.Generator().manual_seed(d)
+    dtype, hidden, heads, kv_heads, inter, bs = BF16, 128, 4, 2, 192, 16
+    q_size, kv_size = heads * d, kv_heads * d
+    qkv_p, o, gate_up, down = (
+        _projection(kind, n, k, g, dtype)
+        for n, k in ((q_size + 2 * kv_size, hidden), (hidden, q_size), (2 * inter, hidden),
+                     (hidden, inter))
+    )  # fmt: skip
+    norms = [(torch.rand(hidden, generator=g) + 0.5).to(dtype) for _ in range(2)]
+    head_norms = tuple((torch.rand(d, generator=g) + 0.5).to(dtype) for _ in range(2))
+    qk_args = (*head_norms, 1e-6) if qk_norm else (None, None, 0.0)
+    rope = get_rope(d, d, 4096, 10000.0)
+    seq_lens = torch.tensor([1, 17, 40, 33, 16], dtype=torch.int32)  # the new token included
+    B, blocks_per_req = len(seq_lens), 3
+    num_blocks = B * blocks_per_req
+    table = torch.randperm(num_blocks, generator=g).int().view(B, blocks_per_req)
+    positions = seq_lens.long() - 1
+    slots = torch.stack([table[b, p // bs] * bs + p % bs for b, p in enumerate(positions)]).long()
+    cache = torch.randn(2, num_blocks, bs, kv_heads, d, generator=g).to(dtype)
+    x = torch.randn(B, hidden, generator=g).to(dtype)
+    residual = torch.randn(B, hidden, generator=g).to(dtype)
+    scale, max_len = d**-0.5, int(seq_lens.max())
+
+    res_ref, cache_ref = residual.clone(), cache.clone()
+    rope_args = (positions, rope.cos_sin_cache, d, d)
+    qkv = ops.attention_in(
+        x, res_ref, norms[0], 1e-5, *qkv_p, q_size, kv_size, *rope_args, *qk_args
+    )
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=1)
+    ops.reshape_and_cache(k.reshape(B, kv_heads, d), v.reshape(B, kv_heads, d), cache_ref, slots)
+    attn = ops.paged_decode_attention(
+        q.reshape(B, heads, d), cache_ref, table, seq_lens, max_len, scale
+    )
+    ref = ops.attention_out_mlp(attn.view(B, q_size), res_ref, *o, norms[1], 1e-5, *gate_up, *down)
+    out = ops.decoder_layer_decode(
+        x, residual, norms[0], 1e-5, *qkv_p, q_size, kv_size, *rope_args, cache, slots, table,
+        seq_lens, max_len, scale, *o, norms[1], 1e-5, *gate_up, *down, *qk_args,
+    )  # fmt: skip
+    assert torch.equal(out, ref)
+    assert torch.equal(residual, res_ref) and torch.equal(cache, cache_ref)
 
 
 _NO_AMX_CHECK = """
