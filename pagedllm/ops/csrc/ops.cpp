@@ -541,6 +541,9 @@ auto rope_kernel() {
   return rope;
 }
 
+// Most floats a head's norm takes as scratch on the stack (head sizes up to this).
+constexpr int64_t kMaxHeadSize = 512;
+
 // A per-head RMSNorm of the query and key heads before RoPE (Qwen3's q_norm and k_norm:
 // [head_size] weights in the rows' dtype; `on` is false in models without one). Each head is
 // normalized in place by rms_norm's row kernel, so a head gets the bits that rms_norm gives
@@ -555,6 +558,8 @@ struct HeadNorms {
             double qk_eps, const at::Tensor& like, int64_t head_size) {
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm go together");
     if (!q_norm) return;
+    TORCH_CHECK(head_size <= kMaxHeadSize, "q/k norms: head size ", head_size, " over ",
+                kMaxHeadSize);
     for (const at::Tensor* w : {&*q_norm, &*k_norm}) {
       check_like(*w, like, "q_norm / k_norm");
       TORCH_CHECK(w->is_contiguous() && w->numel() == head_size, "q_norm / k_norm: [head_size]");
@@ -573,9 +578,6 @@ struct HeadNorms {
   }
 };
 
-// Most floats a head's norm takes as scratch on the stack (head sizes up to this).
-constexpr int64_t kMaxHeadSize = 512;
-
 // RoPE on rows of q and k (whole heads each), after the per-head norms when `norms` are on.
 void rope_rows(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
                const at::Tensor& cos_sin_cache, int64_t head_size, int64_t rot,
@@ -583,8 +585,6 @@ void rope_rows(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
   check_any_rows(q, "query");
   check_any_rows(k, "key");
   check_like(k, q, "key");
-  TORCH_CHECK(!norms.on || head_size <= kMaxHeadSize, "q/k norms: head size ", head_size, " over ",
-              kMaxHeadSize);
   const int64_t* pos = checked_positions(positions, cos_sin_cache, rot);
   const int64_t T = q.size(0), hq = q.size(1) / head_size, hk = k.size(1) / head_size;
   const float* cs = cos_sin_cache.data_ptr<float>();
@@ -824,10 +824,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
 // rows [T, q_size + 2 kv_size] (one request a row, one slot a row) in one pass: each attention
 // item (request b, KV head h) first normalizes (Qwen3's q/k norms, when on) and rotates row
 // b's query heads of group h and its key head h in place and writes key and value head h into
-// the cache, on the thread that then attends
-// with them. The same kernels on the same values as the three ops, so the same bits; what it
-// saves is two serial steps a layer on one thread (RoPE and the K/V write took 3.5 and 5-6 us
-// a layer of an int8 batch-1 step, mostly waiting on memory, while the other thread idled).
+// the cache, on the thread that then attends with them. The same kernels on the same values
+// as the separate ops, so the same bits; what it saves is two serial steps a layer on one
+// thread (RoPE and the K/V write took 3.5 and 5-6 us a layer of an int8 batch-1 step, mostly
+// waiting on memory, while the other thread idled).
 at::Tensor decode_rope_cache_attention(const at::Tensor& qkv, int64_t q_size, int64_t kv_size,
                                        const at::Tensor& positions, const at::Tensor& cos_sin_cache,
                                        int64_t head_size, int64_t rot, at::Tensor& kv_cache,
@@ -841,8 +841,6 @@ at::Tensor decode_rope_cache_attention(const at::Tensor& qkv, int64_t q_size, in
   TORCH_CHECK(positions.numel() == T && slot_mapping.numel() == T, "a position and a slot a row");
   check_kv_cache(kv_cache, qkv);
   TORCH_CHECK(kv_cache.size(3) == hkv && kv_cache.size(4) == head_size, "kv_cache: [2, blocks, block_size, Hkv, D]");
-  TORCH_CHECK(!norms.on || head_size <= kMaxHeadSize, "q/k norms: head size ", head_size, " over ",
-              kMaxHeadSize);
   const int64_t* pos = checked_positions(positions, cos_sin_cache, rot);
   const int64_t* slot = checked_slots(slot_mapping, kv_cache.size(1) * kv_cache.size(2));
   const float* cs = cos_sin_cache.data_ptr<float>();
