@@ -79,8 +79,9 @@ def _worker(rank: int, model_dirs: list[str], init_file: str, out_file: str) -> 
 
 @pytest.mark.distributed
 def test_tp2_matches_single_process(tiny_model_dirs, tmp_path):
-    # Llama: untied LM head, GQA with one kv head per rank; Qwen2: q/k/v biases, tied head.
-    model_dirs = [tiny_model_dirs["llama"], tiny_model_dirs["qwen2"]]
+    # Llama: untied LM head, GQA with one kv head per rank; Qwen2: q/k/v biases, tied head;
+    # Qwen3: per-head q/k norms over each rank's heads.
+    model_dirs = [tiny_model_dirs[arch] for arch in ("llama", "qwen2", "qwen3")]
     references = [_run(d) for d in model_dirs]
     assert get_tp_world_size() == 1
 
