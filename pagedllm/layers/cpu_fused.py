@@ -121,14 +121,17 @@ def layer_plan(layer: Any) -> FusedLayer | None:
         return None
     qkv, o, gate_up, down = projections
     n_in, n_post = norms
-    qk_norm = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if head_norms else None
+    no_qk_norm = (None, None, 0.0)
+    qk_norm = (
+        (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if head_norms else no_qk_norm
+    )
     return FusedLayer(
         dtype=dtype,
         head=(n_in.weight, n_in.eps, *qkv, attn.q_size, attn.kv_size),
         tail=(*o, n_post.weight, n_post.eps, *gate_up, *down),
         projections=tuple(projections),
         norms=norms,
-        qk_norm=qk_norm or (None, None, 0.0),
+        qk_norm=qk_norm,
     )
 
 
