@@ -53,12 +53,15 @@ def cpu_has_bf16_kernels() -> bool:
 def resolve_dtype(
     dtype: str | torch.dtype, hf_dtype: Any, device: str, pagedllm_kernels: bool = True
 ) -> torch.dtype:
-    """`auto` keeps the checkpoint's 16-bit dtype; fp32 checkpoints run in bf16 on the CPU
-    (its bf16 GEMMs are several times faster) and in the checkpoint dtype elsewhere. A CPU
-    without fast bf16 (`cpu_has_fast_bf16`) runs every checkpoint in bf16 on pagedllm's AVX2
-    kernels (`cpu_has_bf16_kernels`), else in fp32: there PyTorch's 16-bit GEMMs are emulated,
-    several times slower than fp32's (`pagedllm_kernels=False`: for a model that runs on
-    PyTorch's GEMMs, as transformers does). An explicit dtype is always honoured."""
+    """`auto` on the CPU is bf16 wherever bf16 has a fast GEMM, whatever the checkpoint's
+    dtype: fp32 and fp16 checkpoints are cast to bf16 (pagedllm's CPU kernels take bf16 and
+    fp32 only, and PyTorch's fp16 GEMMs on a CPU without AVX512-FP16 run 2-3x slower than
+    bf16's: an fp16 SmolLM2 decoded at 37 against 88-128 tok/s, BENCHMARKS.md). A CPU without
+    fast bf16 (`cpu_has_fast_bf16`) runs every checkpoint in bf16 on pagedllm's AVX2 kernels
+    (`cpu_has_bf16_kernels`), else in fp32: there PyTorch's 16-bit GEMMs are emulated, several
+    times slower than fp32's (`pagedllm_kernels=False`: for a model that runs on PyTorch's
+    GEMMs, as transformers does). Elsewhere (CUDA) `auto` keeps a 16-bit checkpoint's dtype.
+    An explicit dtype is always honoured."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":
@@ -76,9 +79,16 @@ def resolve_dtype(
         return torch.bfloat16
     if isinstance(hf_dtype, str):
         hf_dtype = _DTYPES.get(hf_dtype.removeprefix("torch."), None)
+    if device == "cpu":
+        if hf_dtype == torch.float16:
+            logger.info(
+                "dtype=auto: bfloat16 for this float16 checkpoint (the CPU kernels take bf16; "
+                "dtype='float16' keeps it, on PyTorch's slower fp16 ops)"
+            )
+        return torch.bfloat16
     if hf_dtype in (torch.bfloat16, torch.float16):
         return hf_dtype
-    return torch.bfloat16 if device == "cpu" else (hf_dtype or torch.float32)
+    return hf_dtype or torch.float32
 
 
 @dataclass

@@ -109,9 +109,9 @@ def test_features_that_need_one_rank_are_refused(tiny_llama_dir, kwargs, layout,
 
 
 def test_auto_dtype_follows_the_cpu(monkeypatch):
-    """`auto` on the CPU: bf16 where it is fast (a bf16 checkpoint keeps it, an fp32 one gets
-    it), natively or on pagedllm's AVX2 kernels, fp32 for every checkpoint where bf16 would be
-    emulated; an explicit dtype always wins."""
+    """`auto` on the CPU: bf16 where it is fast (a bf16 checkpoint keeps it, an fp32 or fp16
+    one gets it), natively or on pagedllm's AVX2 kernels, fp32 for every checkpoint where bf16
+    would be emulated; an explicit dtype always wins; CUDA keeps a 16-bit checkpoint's."""
     import torch
 
     from pagedllm import config
@@ -119,6 +119,9 @@ def test_auto_dtype_follows_the_cpu(monkeypatch):
     monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: True)
     assert config.resolve_dtype("auto", "bfloat16", "cpu") == torch.bfloat16
     assert config.resolve_dtype("auto", torch.float32, "cpu") == torch.bfloat16
+    assert config.resolve_dtype("auto", "float16", "cpu") == torch.bfloat16
+    assert config.resolve_dtype("auto", None, "cpu") == torch.bfloat16
+    assert config.resolve_dtype("float16", "float16", "cpu") == torch.float16
     monkeypatch.setattr(config, "cpu_has_fast_bf16", lambda: False)
     monkeypatch.setattr(config, "cpu_has_bf16_kernels", lambda: True)  # AVX2: pagedllm's GEMM
     assert config.resolve_dtype("auto", torch.float32, "cpu") == torch.bfloat16
@@ -130,3 +133,5 @@ def test_auto_dtype_follows_the_cpu(monkeypatch):
     assert config.resolve_dtype("auto", torch.float16, "cpu") == torch.float32
     assert config.resolve_dtype("bfloat16", "bfloat16", "cpu") == torch.bfloat16
     assert config.resolve_dtype("auto", "bfloat16", "cuda") == torch.bfloat16
+    assert config.resolve_dtype("auto", torch.float16, "cuda") == torch.float16
+    assert config.resolve_dtype("auto", torch.float32, "cuda") == torch.float32
