@@ -135,3 +135,21 @@ def test_auto_dtype_follows_the_cpu(monkeypatch):
     assert config.resolve_dtype("auto", "bfloat16", "cuda") == torch.bfloat16
     assert config.resolve_dtype("auto", torch.float16, "cuda") == torch.float16
     assert config.resolve_dtype("auto", torch.float32, "cuda") == torch.float32
+
+
+def test_an_fp16_checkpoint_runs_in_bf16_on_a_cpu_with_fast_bf16(tmp_path):
+    """A checkpoint saved in float16 (its config says so) runs in bf16 under `auto` on the CPU
+    wherever bf16 is fast; `dtype="float16"` keeps it."""
+    import torch
+
+    from pagedllm import config
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.testing import make_demo_model
+
+    if not (config.cpu_has_fast_bf16() or config.cpu_has_bf16_kernels()):
+        pytest.skip("bf16 is emulated on this CPU: auto picks fp32")
+    model = make_demo_model(tmp_path / "fp16", preset="tiny", dtype="float16")
+    engine_config = EngineArgs(model=model, device="cpu").create_engine_config()
+    assert engine_config.model_config.dtype == torch.bfloat16
+    kept = EngineArgs(model=model, device="cpu", dtype="float16").create_engine_config()
+    assert kept.model_config.dtype == torch.float16
