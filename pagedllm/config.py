@@ -55,9 +55,9 @@ def resolve_dtype(
 ) -> torch.dtype:
     """`auto` on the CPU is bf16 wherever bf16 has a fast GEMM, whatever the checkpoint's
     dtype: fp32 and fp16 checkpoints are cast to bf16 (pagedllm's CPU kernels take bf16 and
-    fp32 only, and PyTorch's fp16 GEMMs on a CPU without AVX512-FP16 run 2-3x slower than
-    bf16's: an fp16 SmolLM2 decoded at 37 against 88-128 tok/s, BENCHMARKS.md). A CPU without
-    fast bf16 (`cpu_has_fast_bf16`) runs every checkpoint in bf16 on pagedllm's AVX2 kernels
+    fp32 only, and PyTorch's fp16 ops are many times slower: an fp16 SmolLM2 ran 64 requests
+    at 61 against ~640 tok/s in bf16, BENCHMARKS.md). A CPU without fast bf16
+    (`cpu_has_fast_bf16`) runs every checkpoint in bf16 on pagedllm's AVX2 kernels
     (`cpu_has_bf16_kernels`), else in fp32: there PyTorch's 16-bit GEMMs are emulated, several
     times slower than fp32's (`pagedllm_kernels=False`: for a model that runs on PyTorch's
     GEMMs, as transformers does). Elsewhere (CUDA) `auto` keeps a 16-bit checkpoint's dtype.

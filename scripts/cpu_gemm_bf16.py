@@ -12,15 +12,14 @@ microseconds and GFLOP/s.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from functools import partial
-from pathlib import Path
 
 import torch
 
 from pagedllm.benchmarks.timing import call_seconds
+from pagedllm.benchmarks.vs_vllm import projection_shapes
 from pagedllm.layers.cpu_gemm import to_panels
 from pagedllm.ops import cpu_ops
 
@@ -33,21 +32,6 @@ SHAPES = {
 }
 
 
-def model_shapes(model: str) -> dict[str, tuple[int, int]]:
-    """A checkpoint's projections (N x K) from its config.json."""
-    cfg = json.loads((Path(model) / "config.json").read_text())
-    h, inter, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
-    kv = cfg.get("num_key_value_heads") or heads
-    hd = cfg.get("head_dim") or h // heads
-    return {
-        "qkv": ((heads + 2 * kv) * hd, h),
-        "o": (h, heads * hd),
-        "gate_up": (2 * inter, h),
-        "down": (h, inter),
-        "lm_head": (cfg["vocab_size"], h),
-    }
-
-
 def main() -> None:
     ops = cpu_ops()
     if ops is None or not ops.cpu_has_avx512_bf16():
@@ -56,7 +40,7 @@ def main() -> None:
     p.add_argument("--model", default=None, help="take the shapes of this checkpoint")
     p.add_argument("rows", nargs="*", type=int, default=[1, 8, 64, 512])
     args = p.parse_args()
-    shapes = model_shapes(args.model) if args.model else SHAPES
+    shapes = projection_shapes(args.model) if args.model else SHAPES
     print(f"threads {torch.get_num_threads()}, AMX tiles: {ops.cpu_has_amx()}")
     print("| shape (N x K) | M | oneDNN | panels | oneDNN / panels |")
     print("|---|---|---|---|---|")

@@ -44,9 +44,10 @@ def main() -> None:
 
     import pagedllm.models.llama as llama
     from pagedllm import LLM, SamplingParams
-    from pagedllm.benchmarks.vs_vllm import DECODE_TOKENS, workload
+    from pagedllm.benchmarks.vs_vllm import DECODE_TOKENS, projection_shapes, workload
 
     kw = dict(kv_cache_memory=int(args.kv_cache_gib * (1 << 30)), seed=0)
+    vocab = projection_shapes(args.model)["lm_head"][0]
     new_forward = llama.LlamaAttention.forward
 
     def generate(llm, prompts, outs) -> float:
@@ -58,7 +59,7 @@ def main() -> None:
     def run(llm, seed: int, modules: bool) -> float:
         old = modules and args.old_qk_norm
         llama.LlamaAttention.forward = _old_attention_forward if old else new_forward
-        calls = workload(args.workload, 49152, seed)
+        calls = workload(args.workload, vocab, seed)
         if args.workload == "decode1":
             (p1, o1), (p2, o2) = calls
             return DECODE_TOKENS / (generate(llm, p1, o1) - generate(llm, p2, o2))

@@ -162,6 +162,22 @@ def run_workload(
     return {"seconds": seconds, "tokens_per_s": tokens / seconds}
 
 
+def projection_shapes(model: str) -> dict[str, tuple[int, int]]:
+    """A checkpoint's projections (out x in features) from its config.json: qkv, o, gate_up,
+    down (each decoder layer's) and lm_head."""
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    h, inter, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
+    kv = cfg.get("num_key_value_heads") or heads
+    hd = cfg.get("head_dim") or h // heads
+    return {
+        "qkv": ((heads + 2 * kv) * hd, h),
+        "o": (h, heads * hd),
+        "gate_up": (2 * inter, h),
+        "down": (h, inter),
+        "lm_head": (cfg["vocab_size"], h),
+    }
+
+
 @dataclass
 class ModelShape:
     """What the roofline figures need from config.json."""
@@ -173,13 +189,11 @@ class ModelShape:
 
     @classmethod
     def from_dir(cls, model: str) -> ModelShape:
-        cfg = json.loads((Path(model) / "config.json").read_text())
-        h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-        heads = cfg["num_attention_heads"]
-        kv = cfg.get("num_key_value_heads") or heads
-        hd = cfg.get("head_dim") or h // heads
-        per_layer = h * (heads + 2 * kv) * hd + heads * hd * h + 3 * h * inter
-        return cls(per_layer * layers, cfg["vocab_size"] * h, layers, heads * hd)
+        layers = json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
+        shapes = projection_shapes(model)
+        head_n, hidden = shapes.pop("lm_head")
+        per_layer = sum(n * k for n, k in shapes.values())
+        return cls(per_layer * layers, head_n * hidden, layers, shapes["o"][1])
 
     def flops(self, prompt_lens: list[int], output_lens: list[int]) -> float:
         """FLOPs of generating `output_lens` tokens after `prompt_lens` (no prefix hits)."""

@@ -38,6 +38,8 @@ from pagedllm.ops import cpu_ops
 
 # The panel kernels a fused layer runs (ops.cpp `project`: the kind number it takes).
 _KINDS = {"avx2": 0, "int8": 1, "bf16": 2}
+# The fused ops' q/k norm arguments (weights, eps) for a layer without them.
+_NO_QK_NORM = (None, None, 0.0)
 
 
 def _projection(module: Any, dtype: torch.dtype) -> tuple | None:
@@ -63,7 +65,7 @@ class FusedLayer:
     tail: tuple  # attention_out_mlp's arguments after (attn, residual)
     projections: tuple  # _projection's tuples: qkv, o, gate_up, down
     norms: tuple  # (input norm, post-attention norm) RMSNorm modules
-    qk_norm: tuple  # (q_norm weight, k_norm weight, eps), or (None, None, 0.0) without
+    qk_norm: tuple  # (q_norm weight, k_norm weight, eps), or _NO_QK_NORM without
 
     def forward(
         self,
@@ -107,8 +109,6 @@ def layer_plan(layer: Any) -> FusedLayer | None:
         for n in (*norms, *head_norms)
     ):
         return None
-    if head_norms and attn.q_norm.eps != attn.k_norm.eps:
-        return None
     if (
         type(mlp.act_fn) is not SiluAndMul
         or type(attn.rotary_emb).forward is not RotaryEmbedding.forward
@@ -121,17 +121,15 @@ def layer_plan(layer: Any) -> FusedLayer | None:
         return None
     qkv, o, gate_up, down = projections
     n_in, n_post = norms
-    no_qk_norm = (None, None, 0.0)
-    qk_norm = (
-        (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if head_norms else no_qk_norm
-    )
+    # One eps for both: LlamaAttention builds the two norms from the config's rms_norm_eps.
+    qk_norm = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps) if head_norms else None
     return FusedLayer(
         dtype=dtype,
         head=(n_in.weight, n_in.eps, *qkv, attn.q_size, attn.kv_size),
         tail=(*o, n_post.weight, n_post.eps, *gate_up, *down),
         projections=tuple(projections),
         norms=norms,
-        qk_norm=qk_norm,
+        qk_norm=qk_norm or _NO_QK_NORM,
     )
 
 

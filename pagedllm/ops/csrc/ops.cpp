@@ -545,12 +545,12 @@ auto rope_kernel() {
 constexpr int64_t kMaxHeadSize = 512;
 
 // A per-head RMSNorm of the query and key heads before RoPE (Qwen3's q_norm and k_norm:
-// [head_size] weights in the rows' dtype; `on` is false in models without one). Each head is
-// normalized in place by rms_norm's row kernel, so a head gets the bits that rms_norm gives
-// it as a row of [T * heads, head_size].
+// [head_size] weights in the rows' dtype; none in other models, where `apply` does nothing).
+// Each head is normalized in place by rms_norm's row kernel, so a head gets the bits that
+// rms_norm gives it as a row of [T * heads, head_size]. Holds the caller's tensors by address.
 struct HeadNorms {
-  bool on = false;
-  at::Tensor q, k;
+  const at::Tensor* q = nullptr;
+  const at::Tensor* k = nullptr;
   float eps = 0.f;
 
   HeadNorms() = default;
@@ -564,15 +564,15 @@ struct HeadNorms {
       check_like(*w, like, "q_norm / k_norm");
       TORCH_CHECK(w->is_contiguous() && w->numel() == head_size, "q_norm / k_norm: [head_size]");
     }
-    on = true, q = *q_norm, k = *k_norm, eps = static_cast<float>(qk_eps);
+    q = &*q_norm, k = &*k_norm, eps = static_cast<float>(qk_eps);
   }
-  // Normalizes `heads` heads at x (query heads, or key heads when key) in place; tmp: head_size
-  // floats. A no-op when off.
+  // Normalizes `heads` heads at x (query heads, or key heads when key) in place.
   template <class E>
-  void apply(typename E::T* x, int64_t heads, int64_t head_size, bool key, float* tmp) const {
-    if (!on) return;
+  void apply(typename E::T* x, int64_t heads, int64_t head_size, bool key) const {
+    if (!q) return;
     const auto norm = rms_norm_kernel<E>();
-    const typename E::T* w = data<E>(key ? k : q);
+    const typename E::T* w = data<E>(key ? *k : *q);
+    float tmp[kMaxHeadSize];
     for (int64_t h = 0; h < heads; ++h)
       norm(x + h * head_size, x + h * head_size, nullptr, w, head_size, eps, tmp);
   }
@@ -591,13 +591,12 @@ void rope_rows(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
   by_dtype(q, "query", [&]<class E>() {
     const auto rope = rope_kernel<E>();
     at::parallel_for(0, T, row_grain(q.size(1) + k.size(1)), [&](int64_t b, int64_t e) {
-      float tmp[kMaxHeadSize];
       for (int64_t t = b; t < e; ++t) {
         const float* row = cs + pos[t] * rot;
         typename E::T* qt = data<E>(q) + t * q.stride(0);
         typename E::T* kt = data<E>(k) + t * k.stride(0);
-        norms.apply<E>(qt, hq, head_size, false, tmp);
-        norms.apply<E>(kt, hk, head_size, true, tmp);
+        norms.apply<E>(qt, hq, head_size, false);
+        norms.apply<E>(kt, hk, head_size, true);
         rope(qt, hq, head_size, rot, row);
         rope(kt, hk, head_size, rot, row);
       }
@@ -822,7 +821,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
 
 // A decode step's rotary_embedding, reshape_and_cache and paged_decode_attention on its qkv
 // rows [T, q_size + 2 kv_size] (one request a row, one slot a row) in one pass: each attention
-// item (request b, KV head h) first normalizes (Qwen3's q/k norms, when on) and rotates row
+// item (request b, KV head h) first normalizes (Qwen3's q/k norms, if any) and rotates row
 // b's query heads of group h and its key head h in place and writes key and value head h into
 // the cache, on the thread that then attends with them. The same kernels on the same values
 // as the separate ops, so the same bits; what it saves is two serial steps a layer on one
@@ -854,11 +853,8 @@ at::Tensor decode_rope_cache_attention(const at::Tensor& qkv, int64_t q_size, in
         V* r = data<E>(qkv) + b * ld;
         V* k = r + q_size + h * head_size;
         const float* c = cs + pos[b] * rot;
-        if (norms.on) {
-          float tmp[kMaxHeadSize];
-          norms.apply<E>(r + h * group * head_size, group, head_size, false, tmp);
-          norms.apply<E>(k, 1, head_size, true, tmp);
-        }
+        norms.apply<E>(r + h * group * head_size, group, head_size, false);
+        norms.apply<E>(k, 1, head_size, true);
         rope(r + h * group * head_size, group, head_size, rot, c);
         rope(k, 1, head_size, rot, c);
         V* kc = data<E>(kv_cache) + slot[b] * row + h * head_size;
@@ -1059,9 +1055,9 @@ at::Tensor attention_out_mlp(
 }
 
 // A whole layer for a decode-only step (one request, one position and one slot a row):
-// attention_in's norm and QKV projection, then decode_rope_cache_attention (q/k norms, RoPE, the K/V rows
-// into the cache, decode attention over every row), attention_out_mlp. Without a residual (the first layer) x is the residual stream,
-// updated in place.
+// attention_in's norm and QKV projection, then decode_rope_cache_attention (q/k norms, RoPE,
+// the K/V rows into the cache, decode attention over every row), attention_out_mlp. Without a
+// residual (the first layer) x is the residual stream, updated in place.
 at::Tensor decoder_layer_decode(
     const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& norm_weight,
     double eps, int64_t qkv_kind, const at::Tensor& qkv_w,
