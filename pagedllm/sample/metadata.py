@@ -10,27 +10,24 @@ lists or (row, token) pairs, never as dense [B, V] tensors.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedllm.sampling_params import SamplingParams
 
 
-def _to_device(data: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """One host list -> one device tensor (pinned, asynchronous copy on CUDA)."""
+def _to_device(
+    data: list | np.ndarray, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """One host list or array -> one device tensor (pinned, asynchronous copy on CUDA)."""
     device = torch.device(device)
     if device.type == "cuda":
         host = torch.tensor(data, dtype=dtype, pin_memory=True)
         return host.to(device, non_blocking=True)
     return torch.tensor(data, dtype=dtype, device=device)
-
-
-def _pad(rows: list[list], pad: list) -> list[list]:
-    """Ragged rows -> rows of one width, row i filled with `pad[i]`."""
-    width = max(map(len, rows), default=0)
-    return [r + [fill] * (width - len(r)) for r, fill in zip(rows, pad)]
 
 
 def _banned_by_bad_words(bad_words: list[list[int]], output: list[int]) -> list[int]:
@@ -43,6 +40,135 @@ def _banned_by_bad_words(bad_words: list[list[int]], output: list[int]) -> list[
         ):
             banned.append(word[-1])
     return banned
+
+
+def _grown(buf: np.ndarray, n: int) -> np.ndarray:
+    """buf, or a copy twice as long, so that it holds at least n + 1 values."""
+    if n < len(buf):
+        return buf
+    out = np.zeros(max(2 * len(buf), 16), dtype=buf.dtype)
+    out[:n] = buf[:n]
+    return out
+
+
+def _distinct(tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """A token list's distinct ids, sorted (int64), and how often each occurs (np.unique's
+    result, by a plain sort: np.unique's own path costs several times more on rows this
+    short)."""
+    a = np.sort(np.asarray(tokens, dtype=np.int64))
+    if not len(a):
+        return a, np.zeros(0, dtype=np.int64)
+    first = np.flatnonzero(np.concatenate(([True], a[1:] != a[:-1])))
+    return a[first], np.diff(np.append(first, len(a)))
+
+
+def _missing_from(values: np.ndarray, sorted_ids: np.ndarray) -> np.ndarray:
+    """The entries of `values` not in `sorted_ids` (sorted, distinct), as a new array."""
+    if not len(sorted_ids):
+        return values.copy()
+    at = np.minimum(np.searchsorted(sorted_ids, values), len(sorted_ids) - 1)
+    return values[sorted_ids[at] != values]
+
+
+class TokenHistory:
+    """A request's tokens as the penalties read them, kept up to date a step at a time: the
+    prompt's distinct tokens (sorted, taken once), the output's distinct tokens with their
+    counts, and those of them the prompt lacks. The model runner keeps one a request, so a
+    step's penalties cost its new tokens, not the whole history again (64 rows with
+    2,048-token outputs took 13-17 ms a step to list afresh).
+
+    `sync(output)` folds in the tokens appended to `output` since the last call; a request
+    whose earlier tokens were rewritten needs a new TokenHistory (`CachedRequestState` makes
+    one); a shorter output than already folded starts over."""
+
+    __slots__ = (
+        "_prompt",
+        "_prompt_sorted",
+        "_folded",
+        "_n",
+        "_slot",
+        "_ids",
+        "_counts",
+        "_extra",
+        "_n_extra",
+    )
+
+    def __init__(self, prompt_token_ids: list[int]) -> None:
+        self._prompt: list[int] | None = prompt_token_ids
+        self._prompt_sorted: np.ndarray | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self._folded = 0
+        self._n = 0  # distinct output tokens: the first _n of _ids / _counts
+        # output token -> its index in _ids / _counts (None until a step folds in a token)
+        self._slot: dict[int, int] | None = {}
+        self._ids = np.zeros(16, dtype=np.int64)
+        self._counts = np.zeros(16, dtype=np.float32)
+        self._extra: np.ndarray | None = None  # output tokens not in the prompt, once asked
+        self._n_extra = 0
+
+    def sync(self, output: list[int]) -> None:
+        if len(output) < self._folded:
+            self._reset()
+        if self._folded == 0 and len(output) > 16:  # a whole history at once: in bulk
+            ids, counts = _distinct(output)
+            self._n, self._slot = len(ids), None
+            self._ids, self._counts = ids, counts.astype(np.float32)
+            self._folded = len(output)
+            if self._extra is not None:
+                self._extra = _missing_from(ids, self._prompt_sorted)
+                self._n_extra = len(self._extra)
+            return
+        if self._folded == len(output):
+            return
+        if self._slot is None:
+            self._slot = dict(zip(self._ids[: self._n].tolist(), range(self._n)))
+        slot = self._slot
+        for t in output[self._folded :]:
+            i = slot.get(t)
+            if i is not None:
+                self._counts[i] += 1
+                continue
+            i = slot[t] = self._n
+            self._n += 1
+            self._ids, self._counts = _grown(self._ids, i), _grown(self._counts, i)
+            self._ids[i], self._counts[i] = t, 1
+            new = self._ids[i : i + 1]
+            if self._extra is not None and len(_missing_from(new, self._prompt_sorted)):
+                self._extra = _grown(self._extra, self._n_extra)
+                self._extra[self._n_extra] = t
+                self._n_extra += 1
+        self._folded = len(output)
+
+    def seen(self, output: list[int]) -> np.ndarray:
+        """The distinct tokens of the prompt and `output`: the prompt's, then the others."""
+        if self._prompt_sorted is None:
+            self._prompt_sorted = _distinct(self._prompt)[0]
+            self._prompt = None  # the sorted copy is all it needs from now on
+        self.sync(output)
+        if self._extra is None:  # first asked: the output's tokens so far, then kept
+            ids = self._ids[: self._n]
+            self._extra = _missing_from(ids, self._prompt_sorted)
+            self._n_extra = len(self._extra)
+        if not self._n_extra:
+            return self._prompt_sorted
+        return np.concatenate((self._prompt_sorted, self._extra[: self._n_extra]))
+
+    def output_counts(self, output: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """`output`'s distinct tokens and how often each occurs (float32)."""
+        self.sync(output)
+        return self._ids[: self._n], self._counts[: self._n]
+
+
+def _padded(rows: list[np.ndarray], dtype: type, pad_first: bool) -> np.ndarray:
+    """[B, width] rows, each padded by repeating its first value (pad_first) or with zeros."""
+    out = np.zeros((len(rows), max(map(len, rows), default=0)), dtype=dtype)
+    for row, values in zip(out, rows):
+        row[: len(values)] = values
+        if pad_first and len(values):
+            row[len(values) :] = values[0]
+    return out
 
 
 @dataclass
@@ -98,10 +224,13 @@ class SamplingMetadata:
         generators: list[torch.Generator | None],
         vocab_size: int,
         device: torch.device | str,
+        histories: Sequence[TokenHistory] | None = None,
     ) -> SamplingMetadata:
         """Batch the rows' parameters. `prompt_token_ids[i]` / `output_token_ids[i]` are row
         i's prompt and the tokens it has generated so far (before this step's); `generators[i]`
         is the generator of row i's seeded request, or None; `vocab_size` is the logits' width.
+        `histories[i]`, when given, is row i's `TokenHistory` (for its prompt and output
+        tokens), which the penalties read instead of listing the tokens afresh.
         Token ids outside [0, vocab_size) in logit_bias / allowed_token_ids / stop ids / bad
         words are ignored here (the front end is expected to reject them)."""
         assert len(prompt_token_ids) == len(output_token_ids) == len(generators) == len(params)
@@ -129,9 +258,11 @@ class SamplingMetadata:
         num_logprobs = [p.logprobs for p in params]
         max_num_logprobs = max((n for n in num_logprobs if n is not None), default=None)
 
-        rep_ids, rep = _build_repetition(params, prompt_token_ids, output_token_ids, device)
+        if histories is None:
+            histories = [TokenHistory(prompt) for prompt in prompt_token_ids]
+        rep_ids, rep = _build_repetition(params, output_token_ids, histories, device)
         out_ids, out_counts, freq, pres = _build_frequency_presence(
-            params, output_token_ids, device
+            params, output_token_ids, histories, device
         )
 
         return cls(
@@ -172,20 +303,20 @@ def _output_independent(p: SamplingParams) -> bool:
 
 def _build_repetition(
     params: list[SamplingParams],
-    prompt_token_ids: list[list[int]],
     output_token_ids: list[list[int]],
+    histories: Sequence[TokenHistory],
     device: torch.device | str,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     if all(p.repetition_penalty == 1.0 for p in params):
         return None, None
+    empty = np.zeros(0, dtype=np.int64)
     seen = [
-        list(set(prompt).union(output)) if p.repetition_penalty != 1.0 else []
-        for p, prompt, output in zip(params, prompt_token_ids, output_token_ids)
+        h.seen(output) if p.repetition_penalty != 1.0 else empty
+        for p, output, h in zip(params, output_token_ids, histories)
     ]
-    token_ids = _pad(seen, [ids[0] if ids else 0 for ids in seen])
-    penalties = [p.repetition_penalty if ids else 1.0 for p, ids in zip(params, seen)]
+    penalties = [p.repetition_penalty if len(ids) else 1.0 for p, ids in zip(params, seen)]
     return (
-        _to_device(token_ids, torch.int64, device),
+        _to_device(_padded(seen, np.int64, pad_first=True), torch.int64, device),
         _to_device(penalties, torch.float32, device),
     )
 
@@ -193,16 +324,19 @@ def _build_repetition(
 def _build_frequency_presence(
     params: list[SamplingParams],
     output_token_ids: list[list[int]],
+    histories: Sequence[TokenHistory],
     device: torch.device | str,
 ) -> tuple[torch.Tensor | None, ...]:
     used = [p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params]
     if not any(u and out for u, out in zip(used, output_token_ids)):
         return None, None, None, None
-    counters = [Counter(out) if u else Counter() for u, out in zip(used, output_token_ids)]
-    zeros = [0] * len(params)
+    empty = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32))
+    rows = [
+        h.output_counts(out) if u else empty for u, out, h in zip(used, output_token_ids, histories)
+    ]
     return (
-        _to_device(_pad([list(c) for c in counters], zeros), torch.int64, device),
-        _to_device(_pad([list(c.values()) for c in counters], zeros), torch.float32, device),
+        _to_device(_padded([r[0] for r in rows], np.int64, False), torch.int64, device),
+        _to_device(_padded([r[1] for r in rows], np.float32, False), torch.float32, device),
         _to_device([p.frequency_penalty for p in params], torch.float32, device),
         _to_device([p.presence_penalty for p in params], torch.float32, device),
     )

@@ -51,7 +51,7 @@ from pagedllm.models.pipeline import IntermediateTensors
 from pagedllm.outputs import BeamCandidates, LogprobsLists, ModelRunnerOutput
 from pagedllm.sample.beam import beam_candidates
 from pagedllm.sample.logprobs import compute_token_logprobs
-from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.metadata import SamplingMetadata, TokenHistory
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_decode.config import get_speculative_config
@@ -83,9 +83,12 @@ class CachedRequestState:
     # Beam search: > 0 means return this many next-token candidates instead of sampling.
     num_beam_candidates: int = 0
     token_ids: list[int] = field(init=False)
+    # The tokens as the penalties read them, kept up to date step by step.
+    history: TokenHistory = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = self.prompt_token_ids + self.output_token_ids
+        self.history = TokenHistory(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -103,7 +106,11 @@ class CachedRequestState:
         if start + len(token_ids) > num_prompt:
             skip = max(num_prompt - start, 0)
             out_start = start + skip - num_prompt
-            self.output_token_ids[out_start : out_start + len(token_ids) - skip] = token_ids[skip:]
+            new = token_ids[skip:]
+            held = self.output_token_ids[out_start : out_start + len(new)]
+            if held != new[: len(held)]:  # outputs it holds rewritten (a beam's continuation)
+                self.history = TokenHistory(self.prompt_token_ids)
+            self.output_token_ids[out_start : out_start + len(new)] = new
 
 
 @dataclass
@@ -521,6 +528,7 @@ class ModelRunner:
             [s.generator for s in states],
             vocab_size=vocab_size,
             device=self.device,
+            histories=[s.history for s in states],
         )
         self._cached_metadata = (states, metadata)
         return metadata

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagedllm.sample.logprobs import compute_token_logprobs
-from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.metadata import SamplingMetadata, TokenHistory
 from pagedllm.sample.sampler import Sampler
 from pagedllm.sampling_params import SamplingParams
 from tests.sample.stats import CHI2_999, chi_square
@@ -228,6 +228,63 @@ def test_penalties_match_naive_reference():
         for tok in set(outputs[i]):
             expected[i, tok] -= freq * outputs[i].count(tok) + pres
     assert torch.allclose(got, expected, atol=1e-6)
+
+
+def _naive_penalties(logits, params, prompts, outputs):
+    expected = logits.clone()
+    for i, p in enumerate(params):
+        for tok in set(prompts[i]) | set(outputs[i]):
+            x = expected[i, tok]
+            expected[i, tok] = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+        for tok in set(outputs[i]):
+            count = outputs[i].count(tok)
+            expected[i, tok] -= p.frequency_penalty * count + p.presence_penalty
+    return expected
+
+
+def test_token_histories_follow_growing_outputs():
+    """Histories kept across steps (as the model runner keeps one a request) give the
+    penalties of each step's whole history: tokens appended one or many at a time, a first
+    history of many tokens at once, tokens the prompt has and lacks, repeats, and an output
+    that got shorter (which starts the history over)."""
+    gen = torch.Generator().manual_seed(7)
+    vocab = 64
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (1, 30, 5, 12)]
+    outputs = [[], torch.randint(0, vocab, (40,), generator=gen).tolist(), [], [3]]
+    params = [
+        _params(repetition_penalty=1.5, frequency_penalty=0.3, presence_penalty=0.2),
+        _params(repetition_penalty=0.7),
+        _params(frequency_penalty=-0.5, presence_penalty=1.0),
+        _params(repetition_penalty=1.2, presence_penalty=0.4),
+    ]
+    histories = [TokenHistory(p) for p in prompts]
+    for step in range(30):
+        logits = torch.randn(4, vocab, generator=gen) * 3
+        metadata = SamplingMetadata.build(
+            params, prompts, outputs, [None] * 4, vocab, "cpu", histories=histories
+        )
+        got = Sampler.apply_logits_processors(logits.clone(), metadata)
+        expected = _naive_penalties(logits, params, prompts, outputs)
+        assert torch.allclose(got, expected, atol=1e-5), step
+        for i in range(4):
+            n = int(torch.randint(1, 20 if step % 5 == 0 else 3, (1,), generator=gen))
+            outputs[i] = outputs[i] + torch.randint(0, vocab, (n,), generator=gen).tolist()
+        if step == 20:
+            outputs[1] = outputs[1][:3]  # shorter than folded: starts over
+
+
+def test_a_rewritten_output_gets_a_new_history():
+    from pagedllm.worker.model_runner import CachedRequestState
+
+    state = CachedRequestState("r", [1, 2], [5, 6, 7], _params(repetition_penalty=2.0), [0], 0)
+    assert state.history.seen(state.output_token_ids).tolist() == [1, 2, 5, 6, 7]
+    kept = state.history
+    state.set_tokens(4, [7, 8])  # the tokens it holds, then a new one: an append
+    assert state.history is kept
+    assert sorted(state.history.seen(state.output_token_ids).tolist()) == [1, 2, 5, 6, 7, 8]
+    state.set_tokens(3, [9])  # output 6 rewritten to 9 (a beam's continuation)
+    assert state.output_token_ids == [5, 9, 7, 8]
+    assert sorted(state.history.seen(state.output_token_ids).tolist()) == [1, 2, 5, 7, 8, 9]
 
 
 def test_logit_bias():

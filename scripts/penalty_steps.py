@@ -1,0 +1,116 @@
+"""What repetition / frequency / presence penalties cost a decode step.
+
+`metadata`: `SamplingMetadata.build` for BATCH rows of PROMPT-token prompts and OUTPUT-token
+outputs, each row's `TokenHistory` kept from the step before (as the model runner keeps one a
+request: the timed step folds in one new token a row) against listing every row's tokens
+afresh;
+median milliseconds of 9 builds each.
+
+`engine`: an in-process engine decoding BATCH requests of PROMPT random tokens (cached by the
+prefix cache after a warm-up pass, so the timed passes are decode) for OUTPUT tokens at
+temperature 0.8 with the penalty; median generated tokens/s of 3 passes. `--src DIR` runs the
+pagedllm package found in DIR (a `git worktree` of another commit), for A/B runs.
+
+    python scripts/penalty_steps.py metadata [--batch 64 --prompt 1024 --output 64]
+    python scripts/penalty_steps.py engine MODEL_DIR [--batch 64 --prompt 1024 --output 64]
+        [--penalty rep|freq] [--src DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+
+PENALTIES = {
+    "rep": {"repetition_penalty": 1.1},
+    "freq": {"frequency_penalty": 0.3, "presence_penalty": 0.3},
+}
+
+
+def metadata(args: argparse.Namespace) -> None:
+    from pagedllm.sample.metadata import SamplingMetadata, TokenHistory
+    from pagedllm.sampling_params import SamplingParams
+
+    rng = random.Random(0)
+    vocab, B = 49152, args.batch
+    prompts = [[rng.randrange(vocab) for _ in range(args.prompt)] for _ in range(B)]
+    outputs = [[rng.randrange(vocab) for _ in range(args.output)] for _ in range(B)]
+    for name, kwargs in PENALTIES.items():
+        params = [SamplingParams(temperature=0.8, **kwargs)] * B
+
+        def build(histories, rows, params=params):
+            return SamplingMetadata.build(
+                params, prompts, rows, [None] * B, vocab, "cpu", histories=histories
+            )
+
+        kept, fresh = [], []
+        for _ in range(9):
+            histories = [TokenHistory(p) for p in prompts]
+            build(histories, [o[:-2] for o in outputs])  # the steps before
+            build(histories, [o[:-1] for o in outputs])
+            start = time.perf_counter()
+            build(histories, outputs)
+            kept.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            build(None, outputs)
+            fresh.append(time.perf_counter() - start)
+        print(
+            f"{name}: {B} rows, {args.prompt} prompt / {args.output} output tokens: kept "
+            f"histories {statistics.median(kept) * 1e3:.2f} ms, afresh "
+            f"{statistics.median(fresh) * 1e3:.2f} ms"
+        )
+
+
+def engine(args: argparse.Namespace) -> None:
+    os.environ["PAGEDLLM_ENABLE_MULTIPROCESSING"] = "0"
+    if args.src:
+        sys.path.insert(0, os.path.abspath(args.src))
+    import pagedllm
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(model=args.model, kv_cache_memory_bytes=4 << 30)
+    rng = random.Random(0)
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(args.prompt)]}
+        for _ in range(args.batch)
+    ]
+    params = SamplingParams(
+        max_tokens=args.output,
+        temperature=0.8,
+        seed=1,
+        ignore_eos=True,
+        **PENALTIES[args.penalty],
+    )
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up; the prompts then come cached
+    rates = []
+    for _ in range(3):
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        rates.append(args.batch * args.output / (time.perf_counter() - start))
+    print(
+        f"{os.path.dirname(os.path.dirname(pagedllm.__file__))} {args.penalty}: "
+        f"{statistics.median(rates):.1f} tok/s {[round(r) for r in rates]}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("mode", choices=["metadata", "engine"])
+    parser.add_argument("model", nargs="?")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--prompt", type=int, default=1024)
+    parser.add_argument("--output", type=int, default=64)
+    parser.add_argument("--penalty", choices=list(PENALTIES), default="rep")
+    parser.add_argument("--src", help="run the pagedllm package in this directory")
+    args = parser.parse_args()
+    if args.mode == "engine" and not args.model:
+        parser.error("engine needs MODEL_DIR")
+    (metadata if args.mode == "metadata" else engine)(args)
+
+
+if __name__ == "__main__":
+    main()
