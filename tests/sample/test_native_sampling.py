@@ -304,3 +304,72 @@ def test_native_argmax_is_torch_argmax(vocab):
     # rows with a stride (a slice of a wider tensor), as an LM head's padded logits
     wide = torch.randn(12, vocab + 5, generator=g)
     assert torch.equal(ops.argmax(wide[:, :vocab]), wide[:, :vocab].argmax(dim=-1))
+
+
+def _reference_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int):
+    """(ids, logprobs, ranks) by log_softmax in float64: column 0 the token, then the top k
+    by value, ties by index (rows of distinct values but for the tie test)."""
+    lp = torch.log_softmax(logits.double(), dim=-1)
+    ids, lps, ranks = [], [], []
+    for i in range(logits.shape[0]):
+        order = sorted(range(logits.shape[1]), key=lambda j: (-logits[i, j].item(), j))[:k]
+        t = int(tokens[i])
+        ids.append([t, *order])
+        lps.append([lp[i, t].item(), *(lp[i, j].item() for j in order)])
+        ranks.append(int((logits[i] > logits[i, t]).sum()) + 1)
+    return torch.tensor(ids), torch.tensor(lps, dtype=torch.float64), torch.tensor(ranks)
+
+
+@pytest.mark.parametrize("vocab", [37, 700, 4099])
+@pytest.mark.parametrize("k", [0, 1, 5, 20])
+def test_native_token_logprobs_are_log_softmax_gather_and_topk(vocab, k):
+    g = torch.Generator().manual_seed(vocab + k)
+    rows = 6
+    logits = torch.randn(rows, vocab, generator=g) * 4
+    logits[1, ::3] = NEG_INF  # masked tokens count for nothing
+    tokens = torch.randint(0, vocab, (rows,), generator=g)
+    tokens[1] = 1  # a token the mask left
+    ids, lps, ranks = native.token_logprobs(logits, tokens, k)
+    want_ids, want_lps, want_ranks = _reference_logprobs(logits, tokens, k)
+    assert torch.equal(ids, want_ids)
+    assert torch.equal(ranks, want_ranks)
+    assert torch.allclose(lps.double(), want_lps, rtol=0, atol=2e-5)
+
+
+def test_native_token_logprobs_ties_and_short_rows():
+    logits = torch.tensor(
+        [
+            [1.0, 3.0, 3.0, 0.0, 3.0, 2.0],  # three tokens tie for the top: by index
+            [NEG_INF, 0.5, NEG_INF, NEG_INF, NEG_INF, NEG_INF],  # one token left of six
+        ]
+    )
+    ids, lps, ranks = native.token_logprobs(logits, torch.tensor([4, 1]), 4)
+    assert ids[0].tolist() == [4, 1, 2, 4, 5]
+    assert ranks.tolist() == [1, 1]  # none strictly above either token
+    assert ids[1, :2].tolist() == [1, 1] and lps[1, :2].tolist() == [0.0, 0.0]
+    assert lps[1, 2:].tolist() == [NEG_INF] * 3  # fewer than k tokens left: -inf after them
+
+
+def test_sampler_logprobs_come_from_the_raw_logits_natively():
+    """The native logprobs read the logits after the draw, so the processors (here a
+    penalty and a bias, in place on an fp32 input the caller hands over, or on the fp32 copy
+    of a bf16 one) must not have touched them."""
+    g = torch.Generator().manual_seed(3)
+    vocab = 600
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(4, vocab, generator=g) * 3).to(dtype)
+        raw = torch.log_softmax(logits.float(), dim=-1)
+        params = [
+            SamplingParams(
+                temperature=0.0, logprobs=3, repetition_penalty=1.5, logit_bias={7: 30.0}
+            )
+        ] * 4
+        metadata = SamplingMetadata.build(
+            params, [[7, 8, 9]] * 4, [[1]] * 4, [None] * 4, vocab, "cpu"
+        )
+        out = Sampler()(logits.clone(), metadata, overwrite=True)
+        assert out.sampled_token_ids.tolist() == [7] * 4
+        top = raw.topk(3, dim=-1)
+        assert torch.equal(out.logprobs.top_token_ids[:, 1:], top.indices)
+        assert torch.allclose(out.logprobs.top_logprobs[:, 1:], top.values, atol=2e-5)
+        assert torch.allclose(out.logprobs.top_logprobs[:, 0], raw[:, 7], atol=2e-5)

@@ -711,6 +711,38 @@ at::Tensor top_k_floors(const at::Tensor& logits, const at::Tensor& top_k) {
   return out;
 }
 
+// Logprobs of the rows of raw logits [B, V] (fp32, contiguous rows) for tokens [B] (int64):
+// (ids [B, k + 1] int64, logprobs [B, k + 1] fp32, ranks [B] int64), column 0 each row's token,
+// 1..k its top k (sampling.h's row_logprobs): log_softmax, gather and topk in one call.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs(const at::Tensor& logits,
+                                                              const at::Tensor& tokens, int64_t k) {
+  const bool avx512 = check_sample_logits(logits, "token_logprobs");
+  const int64_t B = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.is_contiguous() && tokens.numel() == B,
+              "tokens: int64 [B]");
+  TORCH_CHECK(k >= 0 && k <= V, "k: 0 to the vocabulary size, got ", k);
+  const int64_t* tok = tokens.data_ptr<int64_t>();
+  for (int64_t r = 0; r < B; ++r) TORCH_CHECK(tok[r] >= 0 && tok[r] < V, "token ", tok[r], " outside the vocabulary");
+  at::Tensor ids = at::empty({B, k + 1}, logits.options().dtype(at::kLong));
+  at::Tensor lps = at::empty({B, k + 1}, logits.options());
+  at::Tensor ranks = at::empty({B}, logits.options().dtype(at::kLong));
+  const float* x = logits.data_ptr<float>();
+  int64_t *ip = ids.data_ptr<int64_t>(), *rp = ranks.data_ptr<int64_t>();
+  float* lp = lps.data_ptr<float>();
+  at::parallel_for(0, B, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> sums, buf;
+    std::vector<int64_t> idx;
+    for (int64_t r = b; r < e; ++r) {
+      const float* row = x + r * logits.stride(0);
+      int64_t* ir = ip + r * (k + 1);
+      float* lr = lp + r * (k + 1);
+      rp[r] = avx512 ? row_logprobs<SampleAvx512, true>(row, V, tok[r], k, ir, lr, sums, buf, idx)
+                     : row_logprobs<SampleAvx2, false>(row, V, tok[r], k, ir, lr, sums, buf, idx);
+    }
+  });
+  return {ids, lps, ranks};
+}
+
 // The first index of each row's maximum of logits [B, V] (fp32, contiguous rows), a NaN above
 // every number: torch.argmax(logits, -1) in one pass a row (sampling.h), for greedy rows.
 at::Tensor argmax_rows(const at::Tensor& logits) {
@@ -1242,6 +1274,8 @@ TORCH_LIBRARY(pagedllm, m) {
         &pagedllm::sample_rows_truncated);
   m.def("top_k_floors(Tensor logits, Tensor top_k) -> Tensor", &pagedllm::top_k_floors);
   m.def("argmax_rows(Tensor logits) -> Tensor", &pagedllm::argmax_rows);
+  m.def("token_logprobs(Tensor logits, Tensor tokens, int k) -> (Tensor, Tensor, Tensor)",
+        &pagedllm::token_logprobs);
   m.def("rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos_sin_cache, "
         "int head_size, int rot) -> ()", &pagedllm::rotary_embedding);
   m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()",

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -302,16 +303,42 @@ PAGEDLLM_AVX512_TARGET static int64_t values_above16(const float* x, int64_t i0,
     if (x[i] > thr) out[m++] = x[i];
   return m;
 }
-PAGEDLLM_AVX2_TARGET static int64_t values_above8(const float* x, int64_t i0, int64_t i1,
-                                                  float thr, float* out) {
+// (AVX2: the entries above thr, or at least thr when kAtLeast, appended at out: their values
+// for T = float, their indices for T = int64_t; returns how many.)
+template <bool kAtLeast, class T>
+PAGEDLLM_AVX2_TARGET static int64_t passing8(const float* x, int64_t i0, int64_t i1, float thr, T* out) {
   const __m256 t = _mm256_set1_ps(thr);
+  auto keep = [x](int64_t i) -> T {
+    if constexpr (std::is_same_v<T, float>) return x[i];
+    else return i;
+  };
   int64_t m = 0, i = i0;
   for (; i + 8 <= i1; i += 8)
-    for (int k = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), t, _CMP_GT_OQ)); k; k &= k - 1)
-      out[m++] = x[i + __builtin_ctz(k)];
+    for (int k = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), t, kAtLeast ? _CMP_GE_OQ : _CMP_GT_OQ));
+         k; k &= k - 1)
+      out[m++] = keep(i + __builtin_ctz(k));
   for (; i < i1; ++i)
-    if (x[i] > thr) out[m++] = x[i];
+    if (kAtLeast ? x[i] >= thr : x[i] > thr) out[m++] = keep(i);
   return m;
+}
+
+// Indices i in [i0, i1) with x[i] >= thr, appended to out; their count (AVX2: passing8).
+PAGEDLLM_AVX512_TARGET static int64_t indices_at_least16(const float* x, int64_t i0, int64_t i1,
+                                                         float thr, int64_t* out) {
+  const __m512 t = _mm512_set1_ps(thr);
+  int64_t m = 0, i = i0;
+  for (; i + 16 <= i1; i += 16)
+    for (uint32_t k = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), t, _CMP_GE_OQ); k; k &= k - 1)
+      out[m++] = i + __builtin_ctz(k);
+  for (; i < i1; ++i)
+    if (x[i] >= thr) out[m++] = i;
+  return m;
+}
+// How many of x[0..n) are above v (a NaN is not).
+PAGEDLLM_CLONES static int64_t count_above(const float* x, int64_t n, float v) {
+  int64_t c = 0;
+  for (int64_t i = 0; i < n; ++i) c += x[i] > v;
+  return c;
 }
 
 // The k-th largest of x[0..n) counting repeats (torch.topk(k).values[k - 1]), or -inf when
@@ -337,12 +364,48 @@ static float kth_largest(const float* x, int64_t n, int64_t k, std::vector<float
   for (int64_t i0 = 0; i0 < n; i0 += kSegment) {
     const int64_t i1 = std::min(n, i0 + kSegment);
     held += avx512 ? values_above16(x, i0, i1, thr, buf.data() + held)
-                   : values_above8(x, i0, i1, thr, buf.data() + held);
+                   : passing8<false>(x, i0, i1, thr, buf.data() + held);
     if (held >= cut) trim();
   }
   if (held < k) return -INFINITY;
   trim();
   return thr;
+}
+
+// A row's logprobs from its raw logits x[0..n) (log_softmax's, then gather and topk, in a few
+// passes over the row and nothing written to it): the log of the softmax's normalizer (the
+// row's max plus the log of chunk_sums' total, whose exp is within 1.4e-6 of expf), the
+// chosen token's logprob and rank (1 + how many logits are above its own), and the top k
+// tokens, largest first (ties by index), with their logprobs. lps[0] / ids[0] is the chosen
+// token, 1..k the top k (-inf logits, masked tokens, rank after every other; only a row with
+// NaNs, which match no comparison, can come up short: token 0 at -inf fills the rest).
+template <class Ops, bool avx512>
+static int64_t row_logprobs(const float* x, int64_t n, int64_t token, int64_t k, int64_t* ids,
+                            float* lps, std::vector<float>& sums, std::vector<float>& buf,
+                            std::vector<int64_t>& idx) {
+  const float m = Ops::row_max(x, n);
+  sums.resize((n + kSampleChunk - 1) / kSampleChunk);
+  Ops::chunk_sums(x, n, m, 1.f, sums.data());
+  double total = 0;
+  for (float c : sums) total += c;
+  const float lse = m + static_cast<float>(std::log(total));
+  ids[0] = token;
+  lps[0] = x[token] - lse;
+  const int64_t rank = 1 + count_above(x, n, x[token]);
+  if (k <= 0) return rank;
+  const float floor = kth_largest<avx512>(x, n, std::min(k, n), buf);
+  idx.resize(n);
+  const int64_t found = avx512 ? indices_at_least16(x, 0, n, floor, idx.data())
+                               : passing8<true>(x, 0, n, floor, idx.data());
+  const int64_t take = std::min(k, found);
+  auto before = [x](int64_t a, int64_t b) { return x[a] > x[b] || (x[a] == x[b] && a < b); };
+  std::partial_sort(idx.begin(), idx.begin() + take, idx.begin() + found, before);
+  for (int64_t j = 0; j < take; ++j) {
+    ids[1 + j] = idx[j];
+    lps[1 + j] = x[idx[j]] - lse;
+  }
+  for (int64_t j = take; j < k; ++j) ids[1 + j] = 0, lps[1 + j] = -INFINITY;
+  return rank;
 }
 
 }  // namespace pagedllm

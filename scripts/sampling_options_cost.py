@@ -1,4 +1,4 @@
-"""What repetition / frequency / presence penalties cost a decode step.
+"""What penalties and logprobs cost a decode step.
 
 `metadata`: `SamplingMetadata.build` for BATCH rows of PROMPT-token prompts and OUTPUT-token
 outputs, each row's `TokenHistory` kept from the step before (as the model runner keeps one a
@@ -6,14 +6,20 @@ request: the timed step folds in one new token a row) against listing every row'
 afresh;
 median milliseconds of 9 builds each.
 
+`logprobs`: the sampler's logprobs of BATCH rows of a VOCAB-wide vocabulary (0, 5 and 20
+alternatives), `compute_token_logprobs` (one native call on a CPU with AVX2 or AVX-512)
+against log_softmax, gather, the ranks' sum and topk; median of 20 calls each.
+
 `engine`: an in-process engine decoding BATCH requests of PROMPT random tokens (cached by the
 prefix cache after a warm-up pass, so the timed passes are decode) for OUTPUT tokens at
-temperature 0.8 with the penalty; median generated tokens/s of 3 passes. `--src DIR` runs the
-pagedllm package found in DIR (a `git worktree` of another commit), for A/B runs.
+temperature 0.8 with the option (none: `--option plain`); median generated tokens/s of 3
+passes. `--src DIR` runs the pagedllm package found in DIR (a `git worktree` of another
+commit), for A/B runs.
 
-    python scripts/penalty_steps.py metadata [--batch 64 --prompt 1024 --output 64]
-    python scripts/penalty_steps.py engine MODEL_DIR [--batch 64 --prompt 1024 --output 64]
-        [--penalty rep|freq] [--src DIR]
+    python scripts/sampling_options_cost.py metadata [--batch 64 --prompt 1024 --output 64]
+    python scripts/sampling_options_cost.py logprobs [--batch 64 --vocab 49152]
+    python scripts/sampling_options_cost.py engine MODEL_DIR [--batch 64 --prompt 1024
+        --output 64] [--option plain|rep|freq|logprobs0|logprobs5] [--src DIR]
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ PENALTIES = {
     "rep": {"repetition_penalty": 1.1},
     "freq": {"frequency_penalty": 0.3, "presence_penalty": 0.3},
 }
+OPTIONS = {"plain": {}, **PENALTIES, "logprobs0": {"logprobs": 0}, "logprobs5": {"logprobs": 5}}
 
 
 def metadata(args: argparse.Namespace) -> None:
@@ -65,6 +72,35 @@ def metadata(args: argparse.Namespace) -> None:
         )
 
 
+def logprobs(args: argparse.Namespace) -> None:
+    import torch
+
+    from pagedllm.sample.logprobs import compute_token_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(args.batch, args.vocab, generator=g) * 4
+    tokens = torch.randint(0, args.vocab, (args.batch,), generator=g)
+
+    def pytorch(k: int) -> None:
+        lp = torch.log_softmax(logits, dim=-1)
+        picked = lp.gather(1, tokens[:, None])
+        (lp > picked).sum(dim=-1, dtype=torch.int32)
+        if k:
+            lp.topk(k, dim=-1)
+
+    for k in (0, 5, 20):
+        times = {"native": [], "pytorch": []}
+        for _ in range(20):
+            for name, fn in (("native", compute_token_logprobs), ("pytorch", None)):
+                start = time.perf_counter()
+                fn(logits, tokens, k) if fn else pytorch(k)
+                times[name].append(time.perf_counter() - start)
+        native_ms, torch_ms = (statistics.median(times[n]) * 1e3 for n in ("native", "pytorch"))
+        print(
+            f"{args.batch} x {args.vocab}, k={k}: {native_ms:.2f} ms, PyTorch ops {torch_ms:.2f} ms"
+        )
+
+
 def engine(args: argparse.Namespace) -> None:
     os.environ["PAGEDLLM_ENABLE_MULTIPROCESSING"] = "0"
     if args.src:
@@ -83,7 +119,7 @@ def engine(args: argparse.Namespace) -> None:
         temperature=0.8,
         seed=1,
         ignore_eos=True,
-        **PENALTIES[args.penalty],
+        **OPTIONS[args.option],
     )
     llm.generate(prompts, params, use_tqdm=False)  # warm-up; the prompts then come cached
     rates = []
@@ -92,24 +128,25 @@ def engine(args: argparse.Namespace) -> None:
         llm.generate(prompts, params, use_tqdm=False)
         rates.append(args.batch * args.output / (time.perf_counter() - start))
     print(
-        f"{os.path.dirname(os.path.dirname(pagedllm.__file__))} {args.penalty}: "
+        f"{os.path.dirname(os.path.dirname(pagedllm.__file__))} {args.option}: "
         f"{statistics.median(rates):.1f} tok/s {[round(r) for r in rates]}"
     )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=["metadata", "engine"])
+    parser.add_argument("mode", choices=["metadata", "logprobs", "engine"])
     parser.add_argument("model", nargs="?")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--output", type=int, default=64)
-    parser.add_argument("--penalty", choices=list(PENALTIES), default="rep")
+    parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--option", choices=list(OPTIONS), default="rep")
     parser.add_argument("--src", help="run the pagedllm package in this directory")
     args = parser.parse_args()
     if args.mode == "engine" and not args.model:
         parser.error("engine needs MODEL_DIR")
-    (metadata if args.mode == "metadata" else engine)(args)
+    {"metadata": metadata, "logprobs": logprobs, "engine": engine}[args.mode](args)
 
 
 if __name__ == "__main__":
