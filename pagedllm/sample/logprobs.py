@@ -83,8 +83,9 @@ def compute_token_logprobs(
     """Logprobs of the given next tokens from raw `logits [N, V]` (e.g. prompt logprobs:
     row i holds the logits at position i and `token_ids[i]` is the prompt token at i + 1).
     On fp32 CPU rows one native call (ops/csrc/sampling.h's row_logprobs: at 64 rows of a
-    49k vocabulary 0.7-1.5 ms against 4.6-7 ms for log_softmax, gather, the ranks' sum and
-    topk); the same values to a few ulps of the normalizer, top-k ties by index."""
+    49k vocabulary 1.1-1.7 ms against 3.2-5.8 ms for log_softmax, gather, the ranks' sum and
+    topk, BENCHMARKS.md); the same values to a few ulps of the normalizer, top-k ties by
+    index."""
     num_logprobs = min(num_logprobs, logits.shape[1])
     native = native_logprobs(logits)
     if native is not None:
