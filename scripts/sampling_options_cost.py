@@ -1,4 +1,4 @@
-"""What penalties and logprobs cost a decode step.
+"""What penalties, logprobs and grammar bitmasks cost a decode step.
 
 `metadata`: `SamplingMetadata.build` for BATCH rows of PROMPT-token prompts and OUTPUT-token
 outputs, each row's `TokenHistory` kept from the step before (as the model runner keeps one a
@@ -10,6 +10,10 @@ median milliseconds of 9 builds each.
 alternatives), `compute_token_logprobs` (one native call on a CPU with AVX2 or AVX-512)
 against log_softmax, gather, the ranks' sum and topk; median of 20 calls each.
 
+`bitmask`: a grammar bitmask (a JSON grammar's: a few words allowing some tokens, the rest
+forbidding every one) applied to BATCH rows of VOCAB logits by `apply_token_bitmask` (the
+native kernel on fp32 CPU rows) and by xgrammar's CPU kernel; median of 20 calls each.
+
 `engine`: an in-process engine decoding BATCH requests of PROMPT random tokens (cached by the
 prefix cache after a warm-up pass, so the timed passes are decode) for OUTPUT tokens at
 temperature 0.8 with the option (none: `--option plain`); median generated tokens/s of 3
@@ -18,6 +22,7 @@ commit), for A/B runs.
 
     python scripts/sampling_options_cost.py metadata [--batch 64 --prompt 1024 --output 64]
     python scripts/sampling_options_cost.py logprobs [--batch 64 --vocab 49152]
+    python scripts/sampling_options_cost.py bitmask [--batch 64 --vocab 49152]
     python scripts/sampling_options_cost.py engine MODEL_DIR [--batch 64 --prompt 1024
         --output 64] [--option plain|rep|freq|logprobs0|logprobs5] [--src DIR]
 """
@@ -101,6 +106,32 @@ def logprobs(args: argparse.Namespace) -> None:
         )
 
 
+def bitmask(args: argparse.Namespace) -> None:
+    import numpy as np
+    import torch
+    import xgrammar as xgr
+
+    from pagedllm.structured_output.bitmask import apply_token_bitmask
+
+    B, V = args.batch, args.vocab
+    words = np.zeros((B, (V + 31) // 32), dtype=np.int32)
+    words[:, :40] = np.random.default_rng(0).integers(-(2**31), 2**31, (B, 40), dtype=np.int32)
+    rows = np.arange(B)
+    times = {"native": [], "xgrammar": []}
+    for _ in range(20):
+        a = torch.randn(B, V)
+        b = a.clone()
+        start = time.perf_counter()
+        apply_token_bitmask(a, words, rows, rows)
+        times["native"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        xgr.apply_token_bitmask_inplace(b, torch.from_numpy(words), vocab_size=V)
+        times["xgrammar"].append(time.perf_counter() - start)
+        assert torch.equal(a, b)
+    native_ms, xgr_ms = (statistics.median(times[n]) * 1e3 for n in ("native", "xgrammar"))
+    print(f"{B} x {V}: apply_token_bitmask {native_ms:.2f} ms, xgrammar {xgr_ms:.2f} ms")
+
+
 def engine(args: argparse.Namespace) -> None:
     os.environ["PAGEDLLM_ENABLE_MULTIPROCESSING"] = "0"
     if args.src:
@@ -135,7 +166,7 @@ def engine(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=["metadata", "logprobs", "engine"])
+    parser.add_argument("mode", choices=["metadata", "logprobs", "bitmask", "engine"])
     parser.add_argument("model", nargs="?")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=1024)
@@ -146,7 +177,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.mode == "engine" and not args.model:
         parser.error("engine needs MODEL_DIR")
-    {"metadata": metadata, "logprobs": logprobs, "engine": engine}[args.mode](args)
+    modes = {"metadata": metadata, "logprobs": logprobs, "bitmask": bitmask, "engine": engine}
+    modes[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pagedllm.ops import row_ops
+
 if TYPE_CHECKING:
     from pagedllm.core.sched.output import SchedulerOutput
 
@@ -53,7 +55,13 @@ def apply_token_bitmask(
     logit_rows = np.asarray(logit_rows, dtype=np.int64).tolist()
     packed = torch.from_numpy(np.ascontiguousarray(bitmask[np.asarray(mask_rows)]))  # [m, W]
     vocab = min(logits.shape[-1], packed.shape[-1] * 32)
-    if logits.device.type == "cpu" and logits.dtype in (
+    native = row_ops(logits) if logits.dtype == torch.float32 else None
+    if native is not None and logits.stride(1) == 1:
+        # ops.cpp's apply_token_bitmask: rows in parallel, whole words at a time (64 rows of
+        # a 49k vocabulary: 7.8 ms a step in xgrammar's kernel).
+        rows = torch.tensor(logit_rows, dtype=torch.int64)
+        native.apply_token_bitmask(logits, packed.contiguous(), rows, vocab)
+    elif logits.device.type == "cpu" and logits.dtype in (
         torch.float32,
         torch.bfloat16,
         torch.float16,

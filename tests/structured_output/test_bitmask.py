@@ -1,7 +1,7 @@
 """Applying the packed bitmask to the logits: only the structured rows change, bitmask rows are
 matched to logits rows by request id (one row per verified position with speculative
-decoding), padded logits columns are masked, and xgrammar's CPU kernel agrees with the torch
-unpacking used on other devices."""
+decoding), padded logits columns are masked, and the CPU kernels (pagedllm's native one for float32
+rows, xgrammar's for bfloat16) agree with the torch unpacking used on other devices."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ def test_unpack_matches_pack():
     assert [set(torch.nonzero(r).flatten().tolist()) for r in unpacked] == allowed
 
 
-# float32/bfloat16 take xgrammar's CPU kernel; float64 the torch unpacking (as on a GPU).
+# float32 takes the native kernel (where built), bfloat16 xgrammar's CPU kernel, float64 the
+# torch unpacking (as on a GPU).
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_only_structured_rows_are_masked_by_their_own_row(dtype):
     logits = torch.randn(4, VOCAB).to(dtype)
@@ -53,6 +54,24 @@ def test_cpu_kernel_agrees_with_torch_unpacking():
     logits = torch.randn(3, VOCAB)
     expected = logits.masked_fill(~unpack_bitmask(torch.from_numpy(bitmask), VOCAB), -np.inf)
     apply_token_bitmask(logits, bitmask, np.arange(3), np.arange(3))
+    assert torch.equal(logits, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernels_on_whole_and_partial_words_in_any_row_order(dtype):
+    vocab = 1000  # 31 whole words and 8 bits of a 32nd
+    rng = np.random.default_rng(1)
+    bitmask = rng.integers(-(2**31), 2**31, size=(5, 32), dtype=np.int64).astype(np.int32)
+    bitmask[0, :] = -1  # every token allowed
+    bitmask[1, :] = 0  # none
+    bitmask[2, 3] = -1
+    bitmask[3, 31] = 0
+    logits = torch.randn(7, vocab).to(dtype)
+    rows, mask_rows = np.array([6, 0, 3, 1, 4]), np.array([2, 4, 0, 1, 3])
+    expected = logits.clone()
+    allowed = unpack_bitmask(torch.from_numpy(bitmask), vocab)
+    expected[rows] = expected[rows].masked_fill(~allowed[mask_rows], -np.inf)
+    apply_token_bitmask(logits, bitmask, rows, mask_rows)
     assert torch.equal(logits, expected)
 
 

@@ -334,6 +334,17 @@ PAGEDLLM_AVX512_TARGET static int64_t indices_at_least16(const float* x, int64_t
     if (x[i] >= thr) out[m++] = i;
   return m;
 }
+// x[j] = -inf for each j < n whose bit (bit j % 32 of word j / 32) is 0: a grammar's mask.
+PAGEDLLM_CLONES static void mask_row(float* x, const int32_t* words, int64_t n) {
+  for (int64_t w0 = 0; w0 < n; w0 += 32) {
+    const uint32_t word = static_cast<uint32_t>(words[w0 / 32]);
+    if (word == 0xFFFFFFFFu) continue;
+    const int64_t end = std::min<int64_t>(32, n - w0);
+    for (int64_t j = 0; j < end; ++j)
+      x[w0 + j] = (word >> j) & 1u ? x[w0 + j] : -INFINITY;
+  }
+}
+
 // How many of x[0..n) are above v (a NaN is not).
 PAGEDLLM_CLONES static int64_t count_above(const float* x, int64_t n, float v) {
   int64_t c = 0;
