@@ -14,6 +14,10 @@ against log_softmax, gather, the ranks' sum and topk; median of 20 calls each.
 forbidding every one) applied to BATCH rows of VOCAB logits by `apply_token_bitmask` (the
 native kernel on fp32 CPU rows) and by xgrammar's CPU kernel; median of 20 calls each.
 
+`prompt-logprobs`: an in-process engine (prefix caching off) prefilling BATCH prompts of
+PROMPT random tokens with one output token each, without prompt logprobs and with 1 and 5;
+median prompt tokens/s of 3 passes each (`--src DIR` as for `engine`).
+
 `engine`: an in-process engine decoding BATCH requests of PROMPT random tokens (cached by the
 prefix cache after a warm-up pass, so the timed passes are decode) for OUTPUT tokens at
 temperature 0.8 with the option (none: `--option plain`); median generated tokens/s of 3
@@ -23,6 +27,8 @@ commit), for A/B runs.
     python scripts/sampling_options_cost.py metadata [--batch 64 --prompt 1024 --output 64]
     python scripts/sampling_options_cost.py logprobs [--batch 64 --vocab 49152]
     python scripts/sampling_options_cost.py bitmask [--batch 64 --vocab 49152]
+    python scripts/sampling_options_cost.py prompt-logprobs MODEL_DIR --prompt 256 [--batch 64]
+        [--src DIR]
     python scripts/sampling_options_cost.py engine MODEL_DIR [--batch 64 --prompt 1024
         --output 64] [--option plain|rep|freq|logprobs0|logprobs5] [--src DIR]
 """
@@ -132,14 +138,42 @@ def bitmask(args: argparse.Namespace) -> None:
     print(f"{B} x {V}: apply_token_bitmask {native_ms:.2f} ms, xgrammar {xgr_ms:.2f} ms")
 
 
-def engine(args: argparse.Namespace) -> None:
+def _in_process_llm(args: argparse.Namespace, **kwargs):
+    """(pagedllm's top directory, an in-process LLM of args.model), from args.src if given."""
     os.environ["PAGEDLLM_ENABLE_MULTIPROCESSING"] = "0"
     if args.src:
         sys.path.insert(0, os.path.abspath(args.src))
     import pagedllm
-    from pagedllm import LLM, SamplingParams
 
-    llm = LLM(model=args.model, kv_cache_memory_bytes=4 << 30)
+    top = os.path.dirname(os.path.dirname(pagedllm.__file__))
+    return top, pagedllm.LLM(model=args.model, kv_cache_memory_bytes=4 << 30, **kwargs)
+
+
+def prompt_logprobs(args: argparse.Namespace) -> None:
+    top, llm = _in_process_llm(args, enable_prefix_caching=False)
+    from pagedllm import SamplingParams
+
+    rng = random.Random(0)
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(args.prompt)]}
+        for _ in range(args.batch)
+    ]
+    llm.generate(prompts[:2], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+    variants = {"none": {}, "1": {"prompt_logprobs": 1}, "5": {"prompt_logprobs": 5}}
+    rates: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(3):
+        for name, kwargs in variants.items():
+            start = time.perf_counter()
+            llm.generate(prompts, SamplingParams(max_tokens=1, **kwargs), use_tqdm=False)
+            rates[name].append(args.batch * args.prompt / (time.perf_counter() - start))
+    for name, r in rates.items():
+        print(f"{top} prompt_logprobs={name}: {statistics.median(r):.1f} prompt tok/s")
+
+
+def engine(args: argparse.Namespace) -> None:
+    top, llm = _in_process_llm(args)
+    from pagedllm import SamplingParams
+
     rng = random.Random(0)
     prompts = [
         {"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(args.prompt)]}
@@ -158,15 +192,19 @@ def engine(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         rates.append(args.batch * args.output / (time.perf_counter() - start))
-    print(
-        f"{os.path.dirname(os.path.dirname(pagedllm.__file__))} {args.option}: "
-        f"{statistics.median(rates):.1f} tok/s {[round(r) for r in rates]}"
-    )
+    print(f"{top} {args.option}: {statistics.median(rates):.1f} tok/s {[round(r) for r in rates]}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=["metadata", "logprobs", "bitmask", "engine"])
+    modes = {
+        "metadata": metadata,
+        "logprobs": logprobs,
+        "bitmask": bitmask,
+        "prompt-logprobs": prompt_logprobs,
+        "engine": engine,
+    }
+    parser.add_argument("mode", choices=list(modes))
     parser.add_argument("model", nargs="?")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=1024)
@@ -175,9 +213,8 @@ def main() -> None:
     parser.add_argument("--option", choices=list(OPTIONS), default="rep")
     parser.add_argument("--src", help="run the pagedllm package in this directory")
     args = parser.parse_args()
-    if args.mode == "engine" and not args.model:
-        parser.error("engine needs MODEL_DIR")
-    modes = {"metadata": metadata, "logprobs": logprobs, "bitmask": bitmask, "engine": engine}
+    if args.mode in ("engine", "prompt-logprobs") and not args.model:
+        parser.error(f"{args.mode} needs MODEL_DIR")
     modes[args.mode](args)
 
 
