@@ -746,7 +746,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs(const at::Tensor& 
 // Grammar bitmasks on logits [R, V] (fp32, contiguous rows) in place: row rows[i] gets
 // bitmask row i (packed [m, W] int32: bit j % 32 of word j / 32 allows token j) over its
 // first `vocab` tokens; a forbidden token's logit becomes -inf. xgrammar's CPU kernel does
-// the same a bit at a time on one thread: 7.8 ms a step at 64 rows of a 49k vocabulary.
+// the same on one thread: 7.8 ms of a step at 64 rows of a 49k vocabulary.
 void apply_token_bitmask(at::Tensor& logits, const at::Tensor& packed, const at::Tensor& rows,
                          int64_t vocab) {
   TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1,
