@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.ops import row_ops
 from pagedllm.outputs import LogprobsLists
+from pagedllm.sample.ops import native_rows
 
 
 @dataclass
@@ -68,15 +68,6 @@ def gather_logprobs(
     return LogprobsTensors(token_ids, token_logprobs, ranks)
 
 
-def native_logprobs(logits: torch.Tensor):
-    """The native ops when `token_logprobs` can take `logits` (fp32 [N, V] CPU rows on an
-    AVX-512 or AVX2 CPU, outside torch.compile), else None."""
-    native = row_ops(logits) if logits.dtype == torch.float32 else None
-    if native is None or logits.stride(1) != 1 or not logits.shape[1]:
-        return None
-    return native if native.cpu_has_avx2_fma() else None
-
-
 def compute_token_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int
 ) -> LogprobsTensors:
@@ -87,7 +78,7 @@ def compute_token_logprobs(
     topk, BENCHMARKS.md); the same values to a few ulps of the normalizer, top-k ties by
     index."""
     num_logprobs = min(num_logprobs, logits.shape[1])
-    native = native_logprobs(logits)
+    native = native_rows(logits)
     if native is not None:
         token_ids = token_ids.to(torch.int64).contiguous()
         return LogprobsTensors(*native.token_logprobs(logits, token_ids, num_logprobs))

@@ -63,35 +63,25 @@ def _distinct(tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _missing_from(values: np.ndarray, sorted_ids: np.ndarray) -> np.ndarray:
-    """The entries of `values` not in `sorted_ids` (sorted, distinct), as a new array."""
+    """The entries of `values` not in `sorted_ids` (sorted, distinct)."""
     if not len(sorted_ids):
-        return values.copy()
+        return values
     at = np.minimum(np.searchsorted(sorted_ids, values), len(sorted_ids) - 1)
     return values[sorted_ids[at] != values]
 
 
 class TokenHistory:
     """A request's tokens as the penalties read them, kept up to date a step at a time: the
-    prompt's distinct tokens (sorted, taken once), the output's distinct tokens with their
-    counts, and those of them the prompt lacks. The model runner keeps one a request, so a
-    step's penalties cost its new tokens, not the whole history again (64 rows of 256-token
-    prompts and 1,024-token outputs took 8.5-11 ms a step to list afresh, 0.3-0.6 ms kept).
+    prompt's distinct tokens (sorted, taken once) and the output's distinct tokens with their
+    counts. The model runner keeps one a request, so a step's penalties cost its new tokens,
+    not the whole history again (64 rows of 256-token prompts and 1,024-token outputs took
+    8.5-11 ms a step to list afresh, 0.3-1.4 ms kept).
 
     `sync(output)` folds in the tokens appended to `output` since the last call; a request
     whose earlier tokens were rewritten needs a new TokenHistory (`CachedRequestState` makes
     one); a shorter output than already folded starts over."""
 
-    __slots__ = (
-        "_prompt",
-        "_prompt_sorted",
-        "_folded",
-        "_n",
-        "_slot",
-        "_ids",
-        "_counts",
-        "_extra",
-        "_n_extra",
-    )
+    __slots__ = ("_prompt", "_prompt_sorted", "_folded", "_n", "_slot", "_ids", "_counts")
 
     def __init__(self, prompt_token_ids: list[int]) -> None:
         self._prompt: list[int] | None = prompt_token_ids
@@ -101,12 +91,10 @@ class TokenHistory:
     def _reset(self) -> None:
         self._folded = 0
         self._n = 0  # distinct output tokens: the first _n of _ids / _counts
-        # output token -> its index in _ids / _counts (None until a step folds in a token)
+        # output token -> its index in _ids / _counts (None after a bulk fold, until the next)
         self._slot: dict[int, int] | None = {}
         self._ids = np.zeros(16, dtype=np.int64)
         self._counts = np.zeros(16, dtype=np.float32)
-        self._extra: np.ndarray | None = None  # output tokens not in the prompt, once asked
-        self._n_extra = 0
 
     def sync(self, output: list[int]) -> None:
         if len(output) < self._folded:
@@ -116,9 +104,6 @@ class TokenHistory:
             self._n, self._slot = len(ids), None
             self._ids, self._counts = ids, counts.astype(np.float32)
             self._folded = len(output)
-            if self._extra is not None:
-                self._extra = _missing_from(ids, self._prompt_sorted)
-                self._n_extra = len(self._extra)
             return
         if self._folded == len(output):
             return
@@ -134,11 +119,6 @@ class TokenHistory:
             self._n += 1
             self._ids, self._counts = _grown(self._ids, i), _grown(self._counts, i)
             self._ids[i], self._counts[i] = t, 1
-            new = self._ids[i : i + 1]
-            if self._extra is not None and len(_missing_from(new, self._prompt_sorted)):
-                self._extra = _grown(self._extra, self._n_extra)
-                self._extra[self._n_extra] = t
-                self._n_extra += 1
         self._folded = len(output)
 
     def seen(self, output: list[int]) -> np.ndarray:
@@ -147,13 +127,8 @@ class TokenHistory:
             self._prompt_sorted = _distinct(self._prompt)[0]
             self._prompt = None  # the sorted copy is all it needs from now on
         self.sync(output)
-        if self._extra is None:  # first asked: the output's tokens so far, then kept
-            ids = self._ids[: self._n]
-            self._extra = _missing_from(ids, self._prompt_sorted)
-            self._n_extra = len(self._extra)
-        if not self._n_extra:
-            return self._prompt_sorted
-        return np.concatenate((self._prompt_sorted, self._extra[: self._n_extra]))
+        extra = _missing_from(self._ids[: self._n], self._prompt_sorted)
+        return np.concatenate((self._prompt_sorted, extra)) if len(extra) else self._prompt_sorted
 
     def output_counts(self, output: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """`output`'s distinct tokens and how often each occurs (float32)."""

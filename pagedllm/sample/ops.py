@@ -261,6 +261,16 @@ def _chunk_values(x: torch.Tensor, chunk: torch.Tensor, fill: float) -> tuple[to
     return first, values
 
 
+def native_rows(logits: torch.Tensor):
+    """The native sampling ops (ops/csrc/sampling.h) when they can take `logits`: fp32 [B, V]
+    CPU rows, V > 0, each row contiguous, on an AVX-512 or AVX2 CPU, outside torch.compile;
+    else None."""
+    native = row_ops(logits) if logits.dtype == torch.float32 and logits.shape[1] else None
+    if native is None or logits.stride(1) != 1:
+        return None
+    return native if native.cpu_has_avx2_fma() else None
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """`logits [B, V]` -> the first index of each row's maximum [B] int64 (greedy sampling),
     a NaN counting above every number (as `Tensor.argmax`). fp32 CPU rows on an AVX-512 or
@@ -268,8 +278,8 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     vocabulary ~5x cheaper than the two levels below, which in an engine step took 0.2 ms).
     Otherwise two levels: chunk maxima, then the argmax inside the first chunk holding the
     row's maximum; about 5x cheaper than `Tensor.argmax` on the CPU at a 32k vocabulary."""
-    native = row_ops(logits) if logits.dtype == torch.float32 and logits.shape[1] else None
-    if native is not None and logits.stride(1) == 1 and native.cpu_has_avx2_fma():
+    native = native_rows(logits)
+    if native is not None:
         return native.argmax_rows(logits)
     if logits.shape[1] < 2 * _CHUNK:
         return logits.argmax(dim=-1)
@@ -283,10 +293,7 @@ def native_sampling(logits: torch.Tensor):
     vocabulary of two chunks or more, on an AVX-512 or AVX2 CPU, outside torch.compile), else
     None. It is `random_sample` after temperature and the max-subtracted exp, fused: the same
     chunked inverse CDF, each row read twice and never written (ops/csrc/sampling.h)."""
-    native = row_ops(logits) if logits.dtype == torch.float32 else None
-    if native is None or logits.shape[1] < 2 * _CHUNK or logits.stride(1) != 1:
-        return None
-    return native if native.cpu_has_avx2_fma() else None
+    return native_rows(logits) if logits.shape[1] >= 2 * _CHUNK else None
 
 
 def uniform(

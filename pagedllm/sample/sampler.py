@@ -26,12 +26,7 @@ from torch import nn
 
 from pagedllm.layers.batch_invariant import det_exp
 from pagedllm.sample import ops
-from pagedllm.sample.logprobs import (
-    LogprobsTensors,
-    compute_token_logprobs,
-    gather_logprobs,
-    native_logprobs,
-)
+from pagedllm.sample.logprobs import LogprobsTensors, compute_token_logprobs
 from pagedllm.sample.metadata import SamplingMetadata
 
 
@@ -59,16 +54,12 @@ class Sampler(nn.Module):
         """`logits [B, V]` (any float dtype) -> `SamplerOutput`. `logits` is left unchanged
         unless the caller hands it over with `overwrite=True` (saves a [B, V] copy)."""
         processed = logits.to(torch.float32)
-        raw_logprobs = raw_logits = None
-        if metadata.max_num_logprobs is not None:
-            if not self.batch_invariant and native_logprobs(processed) is not None:
-                raw_logits = processed  # read after the draw, so kept as it is
-            else:
-                raw_logprobs = torch.log_softmax(processed, dim=-1)  # [B, V]
+        # Logprobs are of the raw logits, taken after the draw: then nothing may write to them.
+        raw = processed if metadata.max_num_logprobs is not None else None
 
         # The ops work in place on the sampler's own copy; an fp32 input has to be copied
         # first, unless nothing writes to it before temperature (which can copy as it goes).
-        owned = (overwrite or processed is not logits) and raw_logits is None
+        owned = (overwrite or processed is not logits) and raw is None
         if not owned and has_logits_processors(metadata):
             processed, owned = processed.clone(), True
         processed = self.apply_logits_processors(processed, metadata)
@@ -77,10 +68,8 @@ class Sampler(nn.Module):
         )
 
         logprobs = None
-        if raw_logits is not None:
-            logprobs = compute_token_logprobs(raw_logits, sampled, metadata.max_num_logprobs)
-        elif raw_logprobs is not None:
-            logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+        if raw is not None:
+            logprobs = compute_token_logprobs(raw, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     @staticmethod

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pagedllm.ops import row_ops
+from pagedllm.sample.ops import native_rows
 
 if TYPE_CHECKING:
     from pagedllm.core.sched.output import SchedulerOutput
@@ -52,27 +52,24 @@ def apply_token_bitmask(
     """Set the logits of tokens the grammars forbid to -inf, in place."""
     if len(logit_rows) == 0:
         return
-    logit_rows = np.asarray(logit_rows, dtype=np.int64).tolist()
+    rows = torch.from_numpy(np.asarray(logit_rows, dtype=np.int64)).to(logits.device)
     packed = torch.from_numpy(np.ascontiguousarray(bitmask[np.asarray(mask_rows)]))  # [m, W]
     vocab = min(logits.shape[-1], packed.shape[-1] * 32)
-    native = row_ops(logits) if logits.dtype == torch.float32 else None
-    if native is not None and logits.stride(1) == 1:
+    native = native_rows(logits)
+    if native is not None:
         # ops.cpp's apply_token_bitmask: rows in parallel, whole words at a time (64 rows of
         # a 49k vocabulary: 7.8 ms a step in xgrammar's kernel).
-        rows = torch.tensor(logit_rows, dtype=torch.int64)
-        native.apply_token_bitmask(logits, packed.contiguous(), rows, vocab)
+        native.apply_token_bitmask(logits, packed, rows, vocab)
     elif logits.device.type == "cpu" and logits.dtype in (
         torch.float32,
         torch.bfloat16,
         torch.float16,
     ):
-        _apply_xgrammar_cpu(logits, packed, logit_rows, vocab)
+        _apply_xgrammar_cpu(logits, packed, rows.tolist(), vocab)
     else:
-        rows = torch.as_tensor(logit_rows, device=logits.device)
         allowed = unpack_bitmask(packed.to(logits.device), vocab)  # [m, vocab] bool
         logits[rows, :vocab] = logits[rows, :vocab].masked_fill(~allowed, float("-inf"))
     if logits.shape[-1] > vocab:
-        rows = torch.as_tensor(logit_rows, device=logits.device)
         logits[rows, vocab:] = float("-inf")
 
 
