@@ -10,7 +10,7 @@ line on stdin is one JSON command, and each answer is one line on stdout startin
 
 - `{"op": "generate", "prompts": [[ids]], "max_tokens": [n], "sampling": {...}}`: one
   `LLM.generate` of the token-id prompts (EOS ignored; `sampling`: SamplingParams fields,
-  temperature 1 and top-p 1 when it is absent) -> seconds, output tokens.
+  temperature 1 and top-p 1 when it is absent) -> seconds, output tokens (of every choice).
 - `{"op": "profile", ...generate fields}`: the same under `torch.profiler` -> per-op self CPU
   time (needs the engine in this process: the driver turns its multiprocessing off).
 - `{"op": "quit"}`.
@@ -23,6 +23,7 @@ import sys
 import time
 
 RESULT_MARK = "@@vs_vllm "
+DEFAULT_SAMPLING = {"temperature": 1.0, "top_p": 1.0}  # unless a command sets `sampling`
 
 
 def _reply(obj: dict) -> None:
@@ -68,7 +69,7 @@ def main(argv: list[str]) -> int:
         if cmd["op"] == "quit":
             break
         prompts = [{"prompt_token_ids": p} for p in cmd["prompts"]]
-        sampling = cmd.get("sampling") or {"temperature": 1.0, "top_p": 1.0}
+        sampling = cmd.get("sampling") or DEFAULT_SAMPLING
         params = [
             SamplingParams(**sampling, ignore_eos=True, max_tokens=n) for n in cmd["max_tokens"]
         ]
@@ -78,7 +79,7 @@ def main(argv: list[str]) -> int:
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
         _reply({"op": "generate", "seconds": elapsed, "output_tokens": tokens})
     del llm
     return 0

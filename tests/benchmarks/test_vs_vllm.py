@@ -4,6 +4,7 @@ pagedllm alone (vLLM's CPU build is not installed in CI), int8 included."""
 from __future__ import annotations
 
 import json
+import os
 
 from pagedllm.benchmarks import vs_vllm
 
@@ -89,3 +90,47 @@ def test_no_amx_runs_both_engines_without_tiles(monkeypatch):
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
     plain = vs_vllm.worker_envs(vs_vllm.parse_args(["--model", "m"]), in_process=False)
     assert all("ONEDNN_MAX_CPU_ISA" not in e and "PAGEDLLM_CPU_AMX" not in e for e in plain)
+
+
+def test_worker_counts_every_choice(tiny_model_dir, monkeypatch):
+    """A generate with n > 1 reports the tokens of all n choices, not the first one's."""
+    monkeypatch.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")
+    kwargs = {"kv_cache_memory": 1 << 24}
+    argv = vs_vllm.worker_argv("pagedllm", tiny_model_dir, kwargs, "")
+    worker = vs_vllm.Worker.start("pagedllm", argv, dict(os.environ))
+    try:
+        cmd = {"op": "generate", "prompts": [[5, 6, 7], [8, 9]], "max_tokens": [4, 6]}
+        assert worker.ask({**cmd, "sampling": {"n": 3, "temperature": 1.0}})["output_tokens"] == 30
+        assert worker.ask(cmd)["output_tokens"] == 10
+    finally:
+        worker.stop()
+
+
+def test_other_workloads_shapes_and_parallel_choices():
+    ((prompts, outs),) = vs_vllm.workload("wide", 700, seed=0)
+    assert len(prompts) == 256 and all(64 <= len(p) <= 512 for p in prompts)
+    assert all(32 <= n <= 256 for n in outs)
+    ((prompts, outs),) = vs_vllm.workload("short", 700, seed=0)
+    assert len(prompts) == 512 and all(8 <= len(p) <= 32 for p in prompts)
+    assert all(8 <= n <= 32 for n in outs)
+    ((prompts, outs),) = vs_vllm.workload("batch8", 700, seed=0)
+    assert [len(p) for p in prompts] == [512] * 8 and outs == [256] * 8
+    ((prompts, outs),) = vs_vllm.workload("parallel", 700, seed=0)
+    assert [len(p) for p in prompts] == [128] * 32 and outs == [128] * 32
+
+    class Recorder:
+        def __init__(self):
+            self.cmds = []
+
+        def ask(self, cmd):
+            self.cmds.append(cmd)
+            return {"seconds": 2.0, "output_tokens": 32 * 128 * vs_vllm.PARALLEL_N}
+
+    rec = Recorder()
+    res = vs_vllm.run_workload(rec, "parallel", 700, seed=0, sampling={"temperature": 0.8})
+    assert rec.cmds[0]["sampling"] == {"temperature": 0.8, "top_p": 1.0, "n": vs_vllm.PARALLEL_N}
+    assert res["tokens_per_s"] == 32 * 128 * vs_vllm.PARALLEL_N / 2.0
+    import pytest
+
+    with pytest.raises(ValueError, match="n=4"):
+        vs_vllm.run_workload(rec, "parallel", 700, seed=0, sampling={"n": 2})

@@ -1,8 +1,8 @@
 """`POST /v1/chat/completions`: messages (and tools) rendered through the tokenizer's chat
-template, one engine request with `n` choices. A stream sends, per choice, a role delta first,
-then content deltas (reasoning and tool-call deltas where a parser splits them out, see
-chat_output.py), the finish reason on the last delta, then (if asked) a usage chunk, then
-`[DONE]`."""
+template, one engine request with `n` choices. A stream sends, per choice, a role delta with
+the first output, then content deltas (reasoning and tool-call deltas where a parser splits
+them out, see chat_output.py), the finish reason on the last delta, then (if asked) a usage
+chunk, then `[DONE]`."""
 
 from __future__ import annotations
 
@@ -236,19 +236,19 @@ class OpenAIServingChat(OpenAIServing):
             return f"data: {response.model_dump_json(exclude_unset=True)}\n\n"
 
         num_generated = [0] * request.n
+        first = True
         try:
-            for i in range(request.n):
-                role = DeltaMessage(role="assistant", content="")
-                yield chunk([ChatCompletionResponseStreamChoice(index=i, delta=role)])
-                if echo:
-                    yield chunk(
-                        [
-                            ChatCompletionResponseStreamChoice(
-                                index=i, delta=DeltaMessage(content=echo)
-                            )
-                        ]
-                    )
             async for res in generator:
+                if first:
+                    # The role (and echo) chunks go out with the first output, as vLLM's do:
+                    # a client timing its first chunk then times the first token.
+                    first = False
+                    for i in range(request.n):
+                        role = DeltaMessage(role="assistant", content="")
+                        yield chunk([ChatCompletionResponseStreamChoice(index=i, delta=role)])
+                        if echo:
+                            delta = DeltaMessage(content=echo)
+                            yield chunk([ChatCompletionResponseStreamChoice(index=i, delta=delta)])
                 for out in res.outputs:
                     num_generated[out.index] += len(out.token_ids)
                     if not out.text and not out.token_ids and out.finish_reason is None:

@@ -1,0 +1,65 @@
+"""The chat stream's role chunk goes out with the first output, not before it: a client that
+times its first chunk (vLLM's `bench serve`, `pagedllm bench serve` against other servers)
+then times the first token."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+from pagedllm.entrypoints.openai.chat_output import ChatOutputParser
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.outputs import CompletionOutput, RequestOutput
+
+
+def _output(text: str, finish: str | None, n: int) -> RequestOutput:
+    outs = [CompletionOutput(i, text, [7], None, None, finish) for i in range(n)]
+    return RequestOutput("r", None, [1, 2], None, outs, finished=finish is not None)
+
+
+def _chunks(n: int, echo: str) -> list[dict]:
+    async def run() -> list[dict]:
+        gate = asyncio.Event()
+
+        async def engine():
+            await gate.wait()  # the engine has produced nothing until the gate opens
+            yield _output("a", None, n)
+            yield _output("b", "length", n)
+
+        request = ChatCompletionRequest(
+            model="m", messages=[{"role": "user", "content": "hi"}], stream=True, n=n
+        )
+        parsers = [ChatOutputParser(None, [1, 2], None) for _ in range(n)]
+        serving = SimpleNamespace(model_name="m")
+        stream = OpenAIServingChat._stream(serving, request, "r", 0, 2, engine(), parsers, echo)
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.05)
+        assert not first.done(), "a chunk went out before the engine's first output"
+        gate.set()
+        lines = [await first] + [line async for line in stream]
+        assert lines[-1] == "data: [DONE]\n\n"
+        return [json.loads(line[len("data: ") :]) for line in lines[:-1]]
+
+    return asyncio.run(run())
+
+
+def test_role_chunk_waits_for_the_first_output():
+    chunks = _chunks(1, "")
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas == [{"role": "assistant", "content": ""}, {"content": "a"}, {"content": "b"}]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_role_and_echo_per_choice_then_content():
+    chunks = _chunks(2, "hi")
+    heads = [(c["choices"][0]["index"], c["choices"][0]["delta"]) for c in chunks[:4]]
+    assert heads == [
+        (0, {"role": "assistant", "content": ""}),
+        (0, {"content": "hi"}),
+        (1, {"role": "assistant", "content": ""}),
+        (1, {"content": "hi"}),
+    ]
+    content = [(c["choices"][0]["index"], c["choices"][0]["delta"]["content"]) for c in chunks[4:]]
+    assert content == [(0, "a"), (1, "a"), (0, "b"), (1, "b")]
