@@ -32,7 +32,7 @@ Workloads (the issue's):
   small batch decoding, between batch-1 decode and batch64.
 - `parallel` (not one of the issue's): 32 prompts of 128 tokens, `n=4` choices of 128 tokens
   each (parallel sampling; `--sampling` may set the rest, not `n`); output tokens/s counts
-  every choice, and its FLOP/s counts each choice as its own sequence.
+  every choice, and its FLOP/s counts the prompt once.
 
 Next to tokens/s it reports what the forward achieved against the machine's limits (as
 gpt-fast does): FLOP/s over the whole workload (2 x weights x tokens + attention), and for
@@ -229,14 +229,20 @@ class ModelShape:
         per_layer = sum(n * k for n, k in shapes.values())
         return cls(per_layer * layers, head_n * hidden, layers, shapes["o"][1])
 
-    def flops(self, prompt_lens: list[int], output_lens: list[int]) -> float:
-        """FLOPs of generating `output_lens` tokens after `prompt_lens` (no prefix hits)."""
+    def flops(self, prompt_lens: list[int], output_lens: list[int], choices: int = 1) -> float:
+        """FLOPs of generating `output_lens` tokens after `prompt_lens` (no prefix hits), each
+        prompt computed once and continued by `choices` sequences (n > 1: the FLOPs an engine
+        that shares the prompt does; one that recomputed it would do more)."""
+
+        def attention(tokens: int) -> float:  # QK^T and PV over a causal run of `tokens`
+            return 4 * self.q_dim * self.layers * tokens * (tokens + 1) / 2
+
         total = 0.0
         for p, o in zip(prompt_lens, output_lens):
-            tokens = p + o - 1  # the last sampled token is never fed back
-            total += 2 * self.linear_params * tokens + 2 * self.head_params * o
-            # QK^T and PV: 4 * q_dim flops per (query, key) pair, causal.
-            total += 4 * self.q_dim * self.layers * tokens * (tokens + 1) / 2
+            fed = o - 1  # the last sampled token is never fed back
+            total += 2 * self.linear_params * (p + choices * fed)
+            total += 2 * self.head_params * o * choices
+            total += attention(p) + choices * (attention(p + fed) - attention(p))
         return total
 
     def decode_bytes(self, bytes_per_weight: float) -> float:
@@ -250,11 +256,11 @@ def roofline(shape: ModelShape, name: str, result: dict, seed: int, vocab: int, 
         flops = 2 * (shape.linear_params + shape.head_params)
         return flops / per_token / 1e9, shape.decode_bytes(wbytes) / per_token / 1e9
     prompts, outs = [], []
-    choices = PARALLEL_N if name == "parallel" else 1
     for p, m in workload(name, vocab, seed):
-        prompts += [len(x) for x in p] * choices
-        outs += m * choices
-    return shape.flops(prompts, outs) / result["seconds"] / 1e9, None
+        prompts += [len(x) for x in p]
+        outs += m
+    choices = PARALLEL_N if name == "parallel" else 1
+    return shape.flops(prompts, outs, choices) / result["seconds"] / 1e9, None
 
 
 def profile_rows(worker: Worker, vocab: int, batch: int, decode_tokens: int) -> list[dict]:

@@ -40,6 +40,13 @@ def test_model_shape_counts_flops_and_bytes(tmp_path):
     assert shape.decode_bytes(2.0) == 2 * (2 * per_layer + 80)
     # one prompt token, one output: only the prompt token is fed (1 token, 1 key)
     assert shape.flops([1], [1]) == 2 * 2 * per_layer + 2 * 80 + 4 * 8 * 2 * 1
+    # 3 prompt tokens, 2 outputs: 4 tokens fed, attention over 1 + 2 + 3 + 4 keys
+    assert shape.flops([3], [2]) == 2 * 2 * per_layer * 4 + 2 * 80 * 2 + 4 * 8 * 2 * 10
+    # two choices share the prompt: 3 + 2 x 1 tokens fed, 3 x 2 sampled; attention over the
+    # prompt's 1 + 2 + 3 keys once and each choice's 4
+    assert shape.flops([3], [2], choices=2) == (
+        2 * 2 * per_layer * 5 + 2 * 80 * 4 + 4 * 8 * 2 * (6 + 2 * 4)
+    )
 
 
 def test_driver_runs_pagedllm_and_int8(tiny_model_dir, tmp_path, capsys, monkeypatch):
