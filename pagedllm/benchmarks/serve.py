@@ -214,8 +214,20 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 async def _first_model(client: Any, base_url: str) -> str:
-    resp = await client.get(base_url + "/v1/models")
-    resp.raise_for_status()
+    import httpx
+
+    try:
+        resp = await client.get(base_url + "/v1/models")
+    except httpx.HTTPError as e:
+        raise ValueError(
+            f"cannot reach a server at {base_url} ({e or type(e).__name__}); start one, or "
+            "pass --base-url / --host / --port"
+        ) from e
+    if resp.status_code != 200:
+        raise ValueError(
+            f"{base_url}/v1/models answered HTTP {resp.status_code}: {resp.text[:300]}; "
+            "pass --model (and --api-key if the server wants one)"
+        )
     models = resp.json().get("data") or []
     if not models:
         raise ValueError(f"{base_url}/v1/models lists no model; pass --model")

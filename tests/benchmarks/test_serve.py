@@ -209,6 +209,25 @@ def test_bench_serve_fails_fast_without_a_server(tiny_model_dir, capsys):
     assert "initial test request failed" in capsys.readouterr().err
 
 
+def test_bench_serve_without_model_names_an_unreachable_server(capsys):
+    """Without --model the first call lists the server's models: no server there is a clear
+    error (exit status 2), not a traceback."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert cli_main(["bench", "serve", "--port", str(port), "--num-prompts", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot reach a server at http://127.0.0.1:{port}" in err and "Traceback" not in err
+
+
+def test_bench_serve_without_model_reports_the_models_listing_status(fake_server, capsys):
+    argv = ["bench", "serve", "--base-url", fake_server.url + "/nowhere", "--num-prompts", "2"]
+    assert cli_main(argv) == 2
+    assert "/nowhere/v1/models answered HTTP 404" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def live_server(tiny_model_dir):
     """`pagedllm serve` on the tiny model, on a free port (skipped if the server is absent)."""
