@@ -116,8 +116,13 @@ def load_sharegpt_requests(
     """
     if num_requests <= 0:
         raise ValueError(f"num_prompts={num_requests} must be positive")
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ValueError(f"--dataset-path={path!r}: {e.strerror or e}") from e
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--dataset-path={path!r} is not JSON ({e})") from e
     if not isinstance(data, list):
         raise ValueError(f"dataset {path!r} must hold a JSON list of ShareGPT entries")
     convs = [

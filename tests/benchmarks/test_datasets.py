@@ -163,3 +163,13 @@ def test_get_requests_from_flags(sharegpt_file):
     args = parser.parse_args(["--dataset-name", "sharegpt"])
     with pytest.raises(ValueError, match="--dataset-path"):
         get_requests(args, WordTokenizer())
+
+
+def test_sharegpt_missing_or_unreadable_file_names_the_flag(tmp_path):
+    missing = str(tmp_path / "none.json")
+    with pytest.raises(ValueError, match=r"--dataset-path=.*none\.json.*No such file"):
+        load_sharegpt_requests(missing, 4, WordTokenizer())
+    not_json = tmp_path / "notes.txt"
+    not_json.write_text("not a dataset")
+    with pytest.raises(ValueError, match=r"--dataset-path=.*notes\.txt.* is not JSON"):
+        load_sharegpt_requests(str(not_json), 4, WordTokenizer())

@@ -13,6 +13,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from tests.entrypoints.conftest import REPO_ROOT, RemoteServer, child_pids, free_port, pid_alive
 
@@ -97,3 +98,21 @@ def test_port_in_use_fails_before_the_engine_loads(tiny_llama_dir):
     assert done.returncode != 0
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr, done.stderr
     assert "EngineCore" not in done.stdout + done.stderr  # failed before starting it
+
+
+@pytest.mark.parametrize(
+    "module", ["pagedllm.entrypoints.cli.main", "pagedllm.entrypoints.openai.api_server"]
+)
+def test_missing_model_fails_before_the_server_starts(tmp_path, module):
+    """A model path that does not exist (or a hub id: there is no network) is one line on
+    stderr and exit status 2, before uvicorn or an engine starts (not a traceback out of the
+    server's start-up)."""
+    missing = str(tmp_path / "no-such-model")
+    cmd = [sys.executable, "-m", module]
+    cmd += ["serve", missing] if module.endswith("cli.main") else ["--model", missing]
+    cmd += ["--host", "127.0.0.1", "--port", str(free_port())]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert f"error: model={missing!r} is not an existing local directory" in done.stderr
+    assert "Traceback" not in done.stderr and "Started server" not in done.stderr

@@ -68,6 +68,7 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.starting import answering_while_starting
+from pagedllm.transformers_utils.config import check_model_path
 
 if TYPE_CHECKING:
     from pagedllm.entrypoints.openai.api_server_procs import StartGate
@@ -463,6 +464,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.headless or args.api_server_count != 1:
         parser.error("--headless and --api-server-count need `pagedllm serve`")
+    try:
+        check_model_path(args.model)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     raise SystemExit(run_server(args))
 
 
