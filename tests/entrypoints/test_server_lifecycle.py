@@ -116,3 +116,24 @@ def test_missing_model_fails_before_the_server_starts(tmp_path, module):
     assert done.returncode == 2, done.stderr
     assert f"error: model={missing!r} is not an existing local directory" in done.stderr
     assert "Traceback" not in done.stderr and "Started server" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--dtype", "float8"], "dtype='float8' is not supported"),
+        (["--reasoning-parser", "nope"], "reasoning_parser='nope' is not available"),
+        (["--chat-template", "/no/such/template.jinja"], "is neither a file nor a Jinja template"),
+        (["--port", "99999"], "cannot listen on 127.0.0.1:99999"),
+    ],
+)
+def test_bad_flags_fail_before_the_server_starts(tiny_llama_dir, flags, message):
+    """Flags the server could only refuse in its start-up are checked first: one error line,
+    exit status 2, no traceback, no engine started."""
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", tiny_llama_dir]
+    cmd += ["--host", "127.0.0.1", "--port", str(free_port()), *ARGS, *flags]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr
+    assert "EngineCore" not in done.stdout + done.stderr

@@ -405,12 +405,25 @@ def create_server_socket(host: str | None, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-    except OSError as e:
+    except (OSError, OverflowError) as e:  # OverflowError: a port outside 0-65535
         sock.close()
-        raise ValueError(
-            f"cannot listen on {host}:{port}: {e.strerror or e} (pick another --port)"
-        ) from e
+        reason = getattr(e, "strerror", None) or e
+        raise ValueError(f"cannot listen on {host}:{port}: {reason} (pick another --port)") from e
     return sock
+
+
+def check_server_args(args: argparse.Namespace) -> None:
+    """What the flags alone decide, checked before the port opens or an engine starts: a bad
+    value is a ValueError naming it, not a traceback out of uvicorn's start-up. (The engine's
+    config is cheap to build; the lifespan builds it again from the same flags.)"""
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.reasoning import ReasoningParserManager
+
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    load_chat_template(getattr(args, "chat_template", None))
+    reasoning_parser = config.structured_outputs_config.reasoning_parser
+    if reasoning_parser:
+        ReasoningParserManager.get_reasoning_parser(reasoning_parser)
 
 
 def run_server(
@@ -426,6 +439,8 @@ def run_server(
     `start_gate`: the siblings' (api_server_procs.py), to start accepting together."""
     import uvicorn
 
+    if client_config is None:  # this server builds its engine: its flags are checked first
+        check_server_args(args)
     own_sock = sock is None
     if sock is None:
         sock = create_server_socket(args.host, args.port)
@@ -466,10 +481,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--headless and --api-server-count need `pagedllm serve`")
     try:
         check_model_path(args.model)
-    except ValueError as e:
+        status = run_server(args)
+    except ValueError as e:  # bad flags, found before anything started
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    raise SystemExit(run_server(args))
+    raise SystemExit(status)
 
 
 if __name__ == "__main__":
