@@ -27,14 +27,6 @@ def resolve_local_dir(name: str, what: str = "model") -> Path:
     return path
 
 
-def check_model_path(model: str) -> None:
-    """A ValueError (resolve_local_dir's) unless `model` is a local directory or a GGUF file."""
-    from pagedllm.transformers_utils.gguf import find_gguf_file
-
-    if find_gguf_file(model) is None:
-        resolve_local_dir(model)
-
-
 def get_hf_config(model: str, trust_remote_code: bool = False, **kwargs: Any) -> Any:
     """The config of the checkpoint directory `model`: a `CheckpointConfig` (config.json read
     without transformers) for the model types pagedllm runs, else transformers' `AutoConfig`

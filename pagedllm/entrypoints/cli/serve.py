@@ -47,7 +47,6 @@ def cmd(args: argparse.Namespace) -> int:
     """Resolve the model directory and run the server until it is stopped; returns the
     exit status (non-zero after the engine died)."""
     from pagedllm.entrypoints.openai.api_server import run_server
-    from pagedllm.transformers_utils.config import check_model_path
 
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ValueError(
@@ -59,7 +58,6 @@ def cmd(args: argparse.Namespace) -> int:
 
         args.model = str(fetch_demo_model())
         args.served_model_name = args.served_model_name or [DEMO_MODEL_NAME]
-    check_model_path(args.model)  # before anything starts, not out of the server's start-up
     check_data_parallel_args(args)
     if args.headless:
         return run_headless(args)

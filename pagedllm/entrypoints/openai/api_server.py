@@ -68,7 +68,6 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.starting import answering_while_starting
-from pagedllm.transformers_utils.config import check_model_path
 
 if TYPE_CHECKING:
     from pagedllm.entrypoints.openai.api_server_procs import StartGate
@@ -327,23 +326,28 @@ def build_app(
     args: argparse.Namespace,
     engine: AsyncLLM | None = None,
     client_config: ClientConfig | None = None,
+    engine_config: Any = None,
 ) -> FastAPI:
-    """The FastAPI app. Without `engine`, the lifespan builds one from `args` and owns it
-    (shuts it down on exit); a given engine stays the caller's. `client_config`: this is one
-    of several API servers, whose engines another process launched."""
+    """The FastAPI app. Without `engine`, the lifespan builds one (from `engine_config`, else
+    from `args`) and owns it (shuts it down on exit); a given engine stays the caller's.
+    `client_config`: this is one of several API servers, whose engines another process
+    launched."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncGenerator[None, None]:
         owned = engine is None
         if owned:
-            from pagedllm.engine.arg_utils import EngineArgs
+            config = engine_config
+            if config is None:
+                from pagedllm.engine.arg_utils import EngineArgs
 
-            engine_args = EngineArgs.from_cli_args(args)
+                config = EngineArgs.from_cli_args(args).create_engine_config()
             # Loaded off the event loop, so the port can answer 503 "starting" meanwhile.
             async with answering_while_starting(getattr(app.state, "listen_socket", None)):
                 the_engine = await asyncio.to_thread(
-                    AsyncLLM.from_engine_args,
-                    engine_args,
+                    AsyncLLM,
+                    config,
+                    log_stats=not getattr(args, "disable_log_stats", False),
                     log_requests=log_requests_enabled(args),
                     client_config=client_config,
                 )
@@ -412,10 +416,10 @@ def create_server_socket(host: str | None, port: int) -> socket.socket:
     return sock
 
 
-def check_server_args(args: argparse.Namespace) -> None:
-    """What the flags alone decide, checked before the port opens or an engine starts: a bad
-    value is a ValueError naming it, not a traceback out of uvicorn's start-up. (The engine's
-    config is cheap to build; the lifespan builds it again from the same flags.)"""
+def checked_engine_config(args: argparse.Namespace) -> Any:
+    """The engine's config from the flags (cheap), with what else the flags alone decide
+    checked, before the port opens or an engine starts: a bad value is a ValueError naming
+    it, not a traceback out of uvicorn's start-up."""
     from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.reasoning import ReasoningParserManager
 
@@ -424,6 +428,7 @@ def check_server_args(args: argparse.Namespace) -> None:
     reasoning_parser = config.structured_outputs_config.reasoning_parser
     if reasoning_parser:
         ReasoningParserManager.get_reasoning_parser(reasoning_parser)
+    return config
 
 
 def run_server(
@@ -439,12 +444,12 @@ def run_server(
     `start_gate`: the siblings' (api_server_procs.py), to start accepting together."""
     import uvicorn
 
-    if client_config is None:  # this server builds its engine: its flags are checked first
-        check_server_args(args)
+    # A server that builds its engine checks its flags first (its lifespan takes the config).
+    engine_config = checked_engine_config(args) if client_config is None else None
     own_sock = sock is None
     if sock is None:
         sock = create_server_socket(args.host, args.port)
-    app = build_app(args, client_config=client_config)
+    app = build_app(args, client_config=client_config, engine_config=engine_config)
     config = uvicorn.Config(
         app,
         host=args.host or "0.0.0.0",
@@ -480,7 +485,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.headless or args.api_server_count != 1:
         parser.error("--headless and --api-server-count need `pagedllm serve`")
     try:
-        check_model_path(args.model)
         status = run_server(args)
     except ValueError as e:  # bad flags, found before anything started
         print(f"error: {e}", file=sys.stderr)
