@@ -200,7 +200,9 @@ def _register_routes(app: FastAPI) -> None:
 
         return JSONResponse({"version": __version__})
 
-    @app.get("/metrics")
+    # HEAD too: vLLM mounts prometheus_client's ASGI app here, which answers any method, and
+    # scrapers probe with HEAD before they GET (aiperf's server-metrics reachability check).
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics(raw_request: Request) -> Response:
         engine = raw_request.app.state.engine
         if not engine.errored:

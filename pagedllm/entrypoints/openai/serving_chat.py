@@ -242,13 +242,20 @@ class OpenAIServingChat(OpenAIServing):
                 if first:
                     # The role (and echo) chunks go out with the first output, as vLLM's do:
                     # a client timing its first chunk then times the first token.
+                    # With continuous usage they carry it too (no tokens generated yet), as
+                    # vLLM's do: every chunk of such a stream has `usage`.
                     first = False
+                    head_usage = (
+                        make_usage(num_prompt_tokens, 0) if request.continuous_usage else None
+                    )
                     for i in range(request.n):
                         role = DeltaMessage(role="assistant", content="")
-                        yield chunk([ChatCompletionResponseStreamChoice(index=i, delta=role)])
+                        role_choice = ChatCompletionResponseStreamChoice(index=i, delta=role)
+                        yield chunk([role_choice], head_usage)
                         if echo:
                             delta = DeltaMessage(content=echo)
-                            yield chunk([ChatCompletionResponseStreamChoice(index=i, delta=delta)])
+                            echo_choice = ChatCompletionResponseStreamChoice(index=i, delta=delta)
+                            yield chunk([echo_choice], head_usage)
                 for out in res.outputs:
                     num_generated[out.index] += len(out.token_ids)
                     if not out.text and not out.token_ids and out.finish_reason is None:

@@ -1,6 +1,7 @@
 """The chat stream's role chunk goes out with the first output, not before it: a client that
 times its first chunk (vLLM's `bench serve`, `pagedllm bench serve` against other servers)
-then times the first token."""
+then times the first token. With `stream_options.continuous_usage_stats` every chunk, the
+role chunk included, carries the usage so far (as vLLM's do; guidellm and aiperf ask for it)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def _output(text: str, finish: str | None, n: int) -> RequestOutput:
     return RequestOutput("r", None, [1, 2], None, outs, finished=finish is not None)
 
 
-def _chunks(n: int, echo: str) -> list[dict]:
+def _chunks(n: int, echo: str, stream_options: dict | None = None) -> list[dict]:
     async def run() -> list[dict]:
         gate = asyncio.Event()
 
@@ -29,7 +30,11 @@ def _chunks(n: int, echo: str) -> list[dict]:
             yield _output("b", "length", n)
 
         request = ChatCompletionRequest(
-            model="m", messages=[{"role": "user", "content": "hi"}], stream=True, n=n
+            model="m",
+            messages=[{"role": "user", "content": "hi"}],
+            stream=True,
+            n=n,
+            stream_options=stream_options,
         )
         parsers = [ChatOutputParser(None, [1, 2], None) for _ in range(n)]
         serving = SimpleNamespace(model_name="m")
@@ -63,3 +68,22 @@ def test_role_and_echo_per_choice_then_content():
     ]
     content = [(c["choices"][0]["index"], c["choices"][0]["delta"]["content"]) for c in chunks[4:]]
     assert content == [(0, "a"), (1, "a"), (0, "b"), (1, "b")]
+
+
+def test_continuous_usage_on_every_chunk_role_chunk_included():
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = _chunks(2, "hi", options)
+    usages = [(c["choices"][0]["index"] if c["choices"] else None, c["usage"]) for c in chunks]
+    head = {"prompt_tokens": 2, "completion_tokens": 0, "total_tokens": 2}
+    after = [{"prompt_tokens": 2, "completion_tokens": k, "total_tokens": 2 + k} for k in (1, 2)]
+    assert usages == [
+        (0, head), (0, head), (1, head), (1, head),  # role and echo chunks: nothing generated
+        (0, after[0]), (1, after[0]), (0, after[1]), (1, after[1]),
+        (None, {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}),  # the total
+    ]  # fmt: skip
+
+
+def test_usage_only_where_asked():
+    chunks = _chunks(1, "", {"include_usage": True})
+    assert [("usage" in c) for c in chunks] == [False, False, False, True]
+    assert all("usage" not in c for c in _chunks(1, ""))
