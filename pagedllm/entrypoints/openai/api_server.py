@@ -268,6 +268,13 @@ def _register_routes(app: FastAPI) -> None:
         return JSONResponse((await handler.create_detokenize(request)).model_dump())
 
 
+def _register_tokenizer_info_route(app: FastAPI) -> None:
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(raw_request: Request) -> JSONResponse:
+        handler: OpenAIServingTokenization = raw_request.app.state.serving_tokenization
+        return JSONResponse(handler.tokenizer_info(raw_request.app.state.chat_template))
+
+
 def init_app_state(app: FastAPI, engine: AsyncLLM, args: argparse.Namespace) -> None:
     """Attach the engine and the endpoint handlers to `app.state`."""
     mc = engine.model_config
@@ -381,6 +388,8 @@ def build_app(
     app = FastAPI(lifespan=lifespan, root_path=getattr(args, "root_path", None) or "")
     app.router.route_class = CheckedJSONRoute
     _register_routes(app)
+    if getattr(args, "enable_tokenizer_info_endpoint", False):
+        _register_tokenizer_info_route(app)  # vLLM's opt-in route: absent (404) without it
     if not getattr(args, "disable_dashboard", False):
         register_dashboard_routes(
             app, getattr(args, "api_key", None), bool(getattr(args, "ssl_certfile", None))

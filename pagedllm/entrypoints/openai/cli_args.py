@@ -87,6 +87,12 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=sorted(TOOL_PARSERS),
         help='How the model writes tool calls, read for tool_choice "auto".',
     )
+    group.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="Serve GET /tokenizer_info (vLLM's opt-in endpoint: the tokenizer's config and "
+        "chat template, which lm-eval's tokenizer_backend=remote reads).",
+    )
     add_limit_args(group)
     group.add_argument("--ssl-keyfile", type=str, default=None, help="TLS key file.")
     group.add_argument("--ssl-certfile", type=str, default=None, help="TLS certificate file.")

@@ -1,7 +1,10 @@
 """`POST /tokenize` and `POST /detokenize` (vLLM's extra endpoints), with the same tokenizer,
-chat template, tokenizer thread and limits the generation endpoints use."""
+chat template, tokenizer thread and limits the generation endpoints use; `GET /tokenizer_info`
+(vLLM's opt-in one, --enable-tokenizer-info-endpoint)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from pagedllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
@@ -60,3 +63,31 @@ class OpenAIServingTokenization(OpenAIServingChat):
             )
         text = await self.in_tokenizer_thread(self.tokenizer.decode, request.tokens)
         return DetokenizeResponse(prompt=text)
+
+    def tokenizer_info(self, chat_template: str | None = None) -> dict[str, Any]:
+        """vLLM's `/tokenizer_info` body: the tokenizer's config (its `init_kwargs`, as in
+        tokenizer_config.json) with `tokenizer_class`, the special tokens as strings and the
+        chat template the server renders with (--chat-template, else the tokenizer's)."""
+        tok = self.tokenizer
+        config: dict[str, Any] = dict(getattr(tok, "init_kwargs", None) or {})
+        config.pop("tokenizer_object", None)
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            if name in config or getattr(tok, name, None) is not None:
+                config[name] = getattr(tok, name, None)
+        config["tokenizer_class"] = type(tok).__name__
+        template = chat_template or getattr(tok, "chat_template", None)
+        if template:
+            config["chat_template"] = template
+        return _json_safe(config)
+
+
+def _json_safe(value: Any) -> Any:
+    """JSON values only: AddedToken-like objects become their text, others their repr."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [_json_safe(v) for v in value]
+    content = getattr(value, "content", None)
+    return content if isinstance(content, str) else repr(value)
