@@ -226,7 +226,24 @@ class SamplingParams(
         self._all_stop_token_ids.update(self.stop_token_ids)
 
     def clone(self) -> SamplingParams:
-        return copy.deepcopy(self)
+        """A copy that shares nothing mutable with this one. The token-id lists and the bias
+        dict are copied flat (their items are ints and floats): a deepcopy walks every item
+        in Python, 10+ ms for an allowed_token_ids of the vocabulary's size, twice a request."""
+        new = copy.copy(self)
+        for name in ("stop", "stop_token_ids", "allowed_token_ids", "bad_words"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(new, name, list(value))
+        if self.logit_bias is not None:
+            new.logit_bias = dict(self.logit_bias)
+        new._all_stop_token_ids = set(self._all_stop_token_ids)
+        if self._bad_words_token_ids is not None:
+            new._bad_words_token_ids = [list(w) for w in self._bad_words_token_ids]
+        for name in ("structured_outputs", "guided_decoding", "extra_args"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(new, name, copy.deepcopy(value))
+        return new
 
     def __repr__(self) -> str:
         fields = ", ".join(

@@ -6,6 +6,7 @@ import msgspec
 import pytest
 
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.params import StructuredOutputsParams
 
 
 @pytest.mark.parametrize(
@@ -120,3 +121,30 @@ def test_bad_words_tokenized_with_and_without_leading_space():
     # "ab" -> [4, 3]; " ab" -> [5, 4, 3] has another length, so it is not added.
     assert params.bad_words_token_ids == [[1], [2], [4, 3]]
     assert SamplingParams().bad_words_token_ids is None
+
+
+def test_clone_is_equal_and_shares_nothing_mutable():
+    """clone() copies flat where it can (no deepcopy of a vocabulary-sized id list); the copy
+    must still equal the original field for field and share no container with it."""
+    params = SamplingParams(
+        stop=["x"],
+        stop_token_ids=[5],
+        allowed_token_ids=list(range(100)),
+        logit_bias={1: 2.0},
+        bad_words=["a b"],
+        structured_outputs=StructuredOutputsParams(json={"type": "object"}),
+        extra_args={"k": [1]},
+    )
+    params._bad_words_token_ids = [[3, 4]]
+    clone = params.clone()
+    for name in SamplingParams.__struct_fields__:
+        original, copied = getattr(params, name), getattr(clone, name)
+        assert copied == original, name
+        if isinstance(original, (list, dict, set, msgspec.Struct)):
+            assert copied is not original, name
+    clone.allowed_token_ids.append(1000)
+    clone._all_stop_token_ids.add(99)
+    clone.extra_args["k"].append(2)
+    clone._bad_words_token_ids[0].append(7)
+    assert len(params.allowed_token_ids) == 100 and 99 not in params._all_stop_token_ids
+    assert params.extra_args == {"k": [1]} and params._bad_words_token_ids == [[3, 4]]

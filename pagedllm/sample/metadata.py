@@ -5,7 +5,10 @@ builder makes only the tensors some row needs: an all-greedy batch has no temper
 top-p / min-p tensors; a batch without penalties has no token-history tensors, and the ones it
 has list each row's distinct tokens, not whole histories; logit_bias, allowed_token_ids,
 min_tokens and bad words cost nothing unless a row uses them. Per-token inputs travel as index
-lists or (row, token) pairs, never as dense [B, V] tensors.
+lists or (row, token) pairs, never as dense [B, V] tensors, except allowed_token_ids: a list
+that can hold most of the vocabulary becomes a [R, V] mask of its R rows (vLLM keeps one too),
+each row's ids read into an array once per request. The mask is additive (0 where allowed,
+-inf elsewhere): on the CPU one add runs ~15x faster than a boolean masked_fill.
 """
 
 from __future__ import annotations
@@ -182,8 +185,9 @@ class SamplingMetadata:
 
     # (rows [N], token ids [N], bias [N]) added to the logits.
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
-    # (restricted rows [R], rows [N], token ids [N]): rows in R keep only their listed tokens.
-    allowed_token_ids: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    # (restricted rows [R], mask [R, V] float32: 0 allowed, -inf not): rows in R keep only
+    # their allowed tokens.
+    allowed_token_ids: tuple[torch.Tensor, torch.Tensor] | None
     # (rows [N], token ids [N]) forced to -inf: stop tokens before min_tokens, and bad words.
     banned_token_ids: tuple[torch.Tensor, torch.Tensor] | None
     # Nothing above depends on the rows' output tokens (no penalties, min_tokens or bad
@@ -339,19 +343,28 @@ def _build_logit_bias(
 
 def _build_allowed(
     params: list[SamplingParams], vocab_size: int, device: torch.device | str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     restricted = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
     if not restricted:
         return None
-    pairs = [
-        (i, tok) for i in restricted for tok in params[i].allowed_token_ids if 0 <= tok < vocab_size
-    ]
-    rows, toks = zip(*pairs) if pairs else ((), ())
+    mask = np.full((len(restricted), vocab_size), -np.inf, dtype=np.float32)
+    for j, i in enumerate(restricted):
+        ids = _allowed_ids(params[i])
+        mask[j, ids[ids < vocab_size]] = 0.0
     return (
         _to_device(restricted, torch.int64, device),
-        _to_device(list(rows), torch.int64, device),
-        _to_device(list(toks), torch.int64, device),
+        torch.from_numpy(mask).to(device, non_blocking=True),
     )
+
+
+def _allowed_ids(p: SamplingParams) -> np.ndarray:
+    """`p.allowed_token_ids` as an int64 array, kept on the params (a request's metadata is
+    rebuilt whenever its batch changes; the list can hold tens of thousands of ids)."""
+    ids = p.__dict__.get("_allowed_ids_array")
+    if ids is None:
+        ids = np.asarray(p.allowed_token_ids, dtype=np.int64)
+        p.__dict__["_allowed_ids_array"] = ids
+    return ids
 
 
 def _build_banned(

@@ -21,20 +21,15 @@ _NEG_INF = float("-inf")
 
 
 def apply_allowed_token_ids(
-    logits: torch.Tensor,
-    restricted_rows: torch.Tensor,
-    rows: torch.Tensor,
-    token_ids: torch.Tensor,
+    logits: torch.Tensor, restricted_rows: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
-    """Restrict each row in `restricted_rows [R]` to its allowed tokens.
-
-    The allowed set is given as (row, token) pairs: `rows [N]`, `token_ids [N]`. Rows not in
-    `restricted_rows` are left alone.
-    """
-    blocked = torch.zeros_like(logits, dtype=torch.bool)  # [B, V]
-    blocked[restricted_rows] = True
-    blocked[rows, token_ids] = False
-    return logits.masked_fill_(blocked, _NEG_INF)
+    """Restrict each row in `restricted_rows [R]` to its allowed tokens: `mask [R, V]` is 0
+    where row `restricted_rows[r]` may go and -inf elsewhere (an add leaves the allowed
+    logits exactly as they were). Other rows are left alone."""
+    if restricted_rows.shape[0] == logits.shape[0]:  # every row (rows are listed in order)
+        return logits.add_(mask)
+    logits[restricted_rows] = logits[restricted_rows].add_(mask)
+    return logits
 
 
 def apply_banned_tokens(

@@ -134,10 +134,16 @@ def test_temperature_zero_rows_untouched():
 
 def test_allowed_token_ids():
     logits = torch.zeros(3, 5)
-    out = ops.apply_allowed_token_ids(
-        logits, torch.tensor([0, 2]), torch.tensor([0, 0, 2]), torch.tensor([1, 3, 4])
-    )
+    mask = torch.full((2, 5), float("-inf"))
+    mask[0, [1, 3]] = 0.0
+    mask[1, 4] = 0.0
+    out = ops.apply_allowed_token_ids(logits, torch.tensor([0, 2]), mask)
     assert _kept(out) == [[1, 3], [0, 1, 2, 3, 4], [4]]
+    # Every row restricted: the mask applies in place, row for row; allowed logits unchanged.
+    logits = torch.arange(10.0).reshape(2, 5)
+    out = ops.apply_allowed_token_ids(logits, torch.tensor([0, 1]), mask)
+    assert _kept(out) == [[1, 3], [4]]
+    assert out[0, 1] == 1.0 and out[0, 3] == 3.0 and out[1, 4] == 9.0
 
 
 def test_banned_and_logit_bias():

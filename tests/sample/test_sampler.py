@@ -395,7 +395,8 @@ def test_builder_makes_only_needed_tensors():
     out_of_vocab = [_params(logit_bias={V + 5: 1.0, 2: 1.0}, allowed_token_ids=[1, V + 1])]
     metadata = SamplingMetadata.build(out_of_vocab, [[1]], [[]], [None], V, "cpu")
     assert metadata.logit_bias[1].tolist() == [2]
-    assert metadata.allowed_token_ids[2].tolist() == [1]
+    rows, mask = metadata.allowed_token_ids
+    assert rows.tolist() == [0] and (mask == 0).nonzero().tolist() == [[0, 1]]
 
 
 @pytest.mark.parametrize(
