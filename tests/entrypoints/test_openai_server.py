@@ -25,6 +25,7 @@ SERVER_ARGS = [
     "--api-key", API_KEY,
     "--seed", "0",
     "--enable-log-requests",
+    "--enable-prompt-tokens-details",
 ]  # fmt: skip
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 
@@ -91,6 +92,48 @@ def test_completion_and_usage(server, client):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+
+
+def test_prompt_tokens_details_report_prefix_cache_hits(server, client):
+    """--enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens is the
+    prompt tokens served from the prefix cache (whole 16-token blocks), in chat and
+    completions, plain and streamed (the final usage chunk)."""
+    words = " ".join(f"w{random.randrange(10**6)}" for _ in range(12))  # unseen: 0 cached
+    prompt = f"Details {words}"
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, **GREEDY)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    n_prompt = first.usage.prompt_tokens
+    assert n_prompt >= 48
+    full_blocks = (n_prompt - 1) // 16 * 16  # the last token is always computed
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, **GREEDY)
+    assert again.usage.prompt_tokens_details.cached_tokens == full_blocks
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=2,
+        stream=True,
+        stream_options={"include_usage": True},
+        **GREEDY,
+    )
+    assert list(stream)[-1].usage.prompt_tokens_details.cached_tokens == full_blocks
+
+    messages = [{"role": "user", "content": f"Chat {words}"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, **GREEDY)
+    assert chat.usage.prompt_tokens_details.cached_tokens == 0
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, **GREEDY)
+    n_chat = chat.usage.prompt_tokens
+    assert chat.usage.prompt_tokens_details.cached_tokens == (n_chat - 1) // 16 * 16 > 0
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=2,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (n_chat - 1) // 16 * 16
 
 
 def test_completion_prompt_forms_echo_and_n(server, client):

@@ -292,7 +292,8 @@ def init_app_state(app: FastAPI, engine: AsyncLLM, args: argparse.Namespace) -> 
         limits.max_prompt_chars,
         limits.max_n_sequences,
     )
-    state.serving_completion = OpenAIServingCompletion(engine, names, limits)
+    details = bool(getattr(args, "enable_prompt_tokens_details", False))
+    state.serving_completion = OpenAIServingCompletion(engine, names, limits, details)
     state.serving_chat = OpenAIServingChat(
         engine,
         names,
@@ -300,6 +301,7 @@ def init_app_state(app: FastAPI, engine: AsyncLLM, args: argparse.Namespace) -> 
         enable_auto_tools=getattr(args, "enable_auto_tool_choice", False),
         tool_call_parser=getattr(args, "tool_call_parser", None),
         reasoning_parser=engine.config.structured_outputs_config.reasoning_parser,
+        enable_prompt_tokens_details=details,
     )
     state.serving_responses = OpenAIServingResponses(state.serving_chat, state.chat_template)
     state.serving_tokenization = OpenAIServingTokenization(engine, names, limits)

@@ -88,6 +88,12 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help='How the model writes tool calls, read for tool_choice "auto".',
     )
     group.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="Report usage.prompt_tokens_details.cached_tokens (the prompt tokens served "
+        "from the prefix cache) in chat and completions responses.",
+    )
+    group.add_argument(
         "--enable-tokenizer-info-endpoint",
         action="store_true",
         help="Serve GET /tokenizer_info (vLLM's opt-in endpoint: the tokenizer's config and "

@@ -73,10 +73,16 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard] = Field(default_factory=list)
 
 
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    cached_tokens: int | None = None
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     total_tokens: int = 0
     completion_tokens: int | None = 0
+    # With --enable-prompt-tokens-details: the prompt tokens served from the prefix cache.
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
 
 
 class StreamOptions(OpenAIBaseModel):

@@ -63,8 +63,9 @@ class OpenAIServingChat(OpenAIServing):
         enable_auto_tools: bool = False,
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
+        enable_prompt_tokens_details: bool = False,
     ) -> None:
-        super().__init__(engine, served_model_names, limits)
+        super().__init__(engine, served_model_names, limits, enable_prompt_tokens_details)
         self.auto_tool_parser: ToolParser | None = None
         if enable_auto_tools:
             if tool_call_parser is None:
@@ -200,7 +201,7 @@ class OpenAIServingChat(OpenAIServing):
                     stop_reason=out.stop_reason,
                 )
             )
-        usage = make_usage(len(ids), num_generated)
+        usage = make_usage(len(ids), num_generated, self.cached_tokens(final.num_cached_tokens))
         response = ChatCompletionResponse(
             id=request_id,
             created=created,
@@ -236,9 +237,11 @@ class OpenAIServingChat(OpenAIServing):
             return f"data: {response.model_dump_json(exclude_unset=True)}\n\n"
 
         num_generated = [0] * request.n
+        num_cached_tokens = 0
         first = True
         try:
             async for res in generator:
+                num_cached_tokens = res.num_cached_tokens
                 if first:
                     # The role (and echo) chunks go out with the first output, as vLLM's do:
                     # a client timing its first chunk then times the first token.
@@ -285,7 +288,8 @@ class OpenAIServingChat(OpenAIServing):
                         usage = make_usage(num_prompt_tokens, num_generated[out.index])
                     yield chunk([choice], usage)
             if request.include_usage_in_stream:
-                yield chunk([], make_usage(num_prompt_tokens, sum(num_generated)))
+                cached = self.cached_tokens(num_cached_tokens)
+                yield chunk([], make_usage(num_prompt_tokens, sum(num_generated), cached))
         except Exception as e:
             error = OpenAIError.from_exception(e).to_response()
             yield f"data: {error.model_dump_json()}\n\n"

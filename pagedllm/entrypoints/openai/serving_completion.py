@@ -139,7 +139,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         ),
                     )
                 )
-        usage = make_usage(num_prompt_tokens, num_generated)
+        cached = sum(res.num_cached_tokens for res in final if res is not None)
+        usage = make_usage(num_prompt_tokens, num_generated, self.cached_tokens(cached))
         return CompletionResponse(
             id=request_id,
             created=created,
@@ -162,8 +163,10 @@ class OpenAIServingCompletion(OpenAIServing):
         text_offsets = [0] * (len(prompts) * n)
         num_generated = [0] * (len(prompts) * n)
         prompt_lens = [len(ids) for _, ids in prompts]
+        cached = [0] * len(prompts)
         try:
             async for i, res in results:
+                cached[i] = res.num_cached_tokens
                 for out in res.outputs:
                     index = i * n + out.index
                     if request.echo_only:
@@ -211,7 +214,9 @@ class OpenAIServingCompletion(OpenAIServing):
                         chunk.usage = make_usage(prompt_lens[i], num_generated[index])
                     yield f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
             if request.include_usage_in_stream:
-                usage = make_usage(sum(prompt_lens), sum(num_generated))
+                usage = make_usage(
+                    sum(prompt_lens), sum(num_generated), self.cached_tokens(sum(cached))
+                )
                 final = CompletionStreamResponse(
                     id=request_id,
                     object="text_completion",

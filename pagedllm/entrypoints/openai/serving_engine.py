@@ -24,6 +24,7 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionLogProbs,
     ChatCompletionLogProbsContent,
     CompletionLogProbs,
+    PromptTokenUsageInfo,
     UsageInfo,
 )
 from pagedllm.outputs import Logprob, RequestOutput
@@ -46,14 +47,21 @@ class OpenAIServing:
         engine: AsyncLLM,
         served_model_names: list[str],
         limits: ServerLimits | None = None,
+        enable_prompt_tokens_details: bool = False,
     ) -> None:
         self.engine = engine
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.tokenizer = engine.tokenizer
         self.served_model_names = served_model_names
         self.max_model_len = engine.model_config.max_model_len
         self.limits = (limits or ServerLimits()).for_model(self.tokenizer, self.max_model_len)
         # Defaults of unset request fields (max_tokens is resolved per request instead).
         self.default_sampling = engine.model_config.get_diff_sampling_param()
+
+    def cached_tokens(self, num_cached_tokens: int) -> int | None:
+        """What `make_usage` reports as the prompt's cached tokens: the count with
+        --enable-prompt-tokens-details, else nothing (no `prompt_tokens_details`)."""
+        return num_cached_tokens if self.enable_prompt_tokens_details else None
 
     @property
     def model_name(self) -> str:
@@ -298,10 +306,15 @@ async def _best_beams(
         await outputs.aclose()
 
 
-def make_usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    """OpenAI's usage block."""
-    return UsageInfo(
+def make_usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+) -> UsageInfo:
+    """OpenAI's usage block; `prompt_tokens_details` when `cached_tokens` is given."""
+    usage = UsageInfo(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
     )
+    if cached_tokens is not None:
+        usage.prompt_tokens_details = PromptTokenUsageInfo(cached_tokens=cached_tokens)
+    return usage

@@ -12,15 +12,20 @@ from types import SimpleNamespace
 from pagedllm.entrypoints.openai.chat_output import ChatOutputParser
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
 
 def _output(text: str, finish: str | None, n: int) -> RequestOutput:
     outs = [CompletionOutput(i, text, [7], None, None, finish) for i in range(n)]
-    return RequestOutput("r", None, [1, 2], None, outs, finished=finish is not None)
+    out = RequestOutput("r", None, [1, 2], None, outs, finished=finish is not None)
+    out.num_cached_tokens = 16  # what the prefix cache served (with prompt tokens details)
+    return out
 
 
-def _chunks(n: int, echo: str, stream_options: dict | None = None) -> list[dict]:
+def _chunks(
+    n: int, echo: str, stream_options: dict | None = None, details: bool = False
+) -> list[dict]:
     async def run() -> list[dict]:
         gate = asyncio.Event()
 
@@ -37,7 +42,8 @@ def _chunks(n: int, echo: str, stream_options: dict | None = None) -> list[dict]
             stream_options=stream_options,
         )
         parsers = [ChatOutputParser(None, [1, 2], None) for _ in range(n)]
-        serving = SimpleNamespace(model_name="m")
+        serving = SimpleNamespace(model_name="m", enable_prompt_tokens_details=details)
+        serving.cached_tokens = lambda n: OpenAIServing.cached_tokens(serving, n)
         stream = OpenAIServingChat._stream(serving, request, "r", 0, 2, engine(), parsers, echo)
         first = asyncio.ensure_future(stream.__anext__())
         await asyncio.sleep(0.05)
@@ -87,3 +93,11 @@ def test_usage_only_where_asked():
     chunks = _chunks(1, "", {"include_usage": True})
     assert [("usage" in c) for c in chunks] == [False, False, False, True]
     assert all("usage" not in c for c in _chunks(1, ""))
+
+
+def test_prompt_tokens_details_only_with_the_flag():
+    """--enable-prompt-tokens-details puts the cached prompt tokens in the final usage."""
+    options = {"include_usage": True}
+    assert "prompt_tokens_details" not in _chunks(1, "", options)[-1]["usage"]
+    usage = _chunks(1, "", options, details=True)[-1]["usage"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 16}
