@@ -7,13 +7,17 @@ from `Gamma(shape=burstiness, scale=1 / (request_rate * burstiness))`, so the me
 infinite rate sends everything at once. `--max-concurrency` caps requests in flight.
 Per request the client records the time to the first streamed chunk (TTFT), the gaps
 between later chunks (ITL), the whole latency, and the server's `usage.completion_tokens`;
-`pagedllm.benchmarks.metrics` turns those into vLLM's result block.
+`pagedllm.benchmarks.metrics` turns those into vLLM's result block. The flags are vLLM's
+(`--backend vllm | openai | openai-chat` picks the endpoint; the sampling flags and
+`--extra-body` go into every body; `--num-warmups`, `--header`, `--request-id-prefix`,
+`--ready-check-timeout-sec`, `--label`), so a `vllm bench serve` command line runs as it is.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -41,6 +45,16 @@ from pagedllm.benchmarks.offline import write_json
 
 T = TypeVar("T")
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+# vLLM's --backend names for the two OpenAI endpoints this client speaks.
+BACKEND_ENDPOINTS = {
+    "vllm": "/v1/completions",
+    "openai": "/v1/completions",
+    "openai-chat": "/v1/chat/completions",
+}
+# vLLM's sampling flags: sent in every request body, only when given.
+SAMPLING_FLAGS = (
+    "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+)  # fmt: skip
 # A benchmark may run for hours; one request never times out before that.
 _HTTP_TIMEOUT_S = 6 * 60 * 60
 _METRIC_HEADERS = {
@@ -62,6 +76,9 @@ class RequestInput:
     output_len: int
     temperature: float = 0.0
     ignore_eos: bool = False
+    # More body fields (vLLM's sampling flags and --extra-body), and HTTP headers.
+    extra_body: dict[str, Any] | None = None
+    headers: dict[str, str] | None = None
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -70,7 +87,19 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default=None, help="server URL (overrides --host/--port)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--endpoint", choices=ENDPOINTS, default="/v1/completions")
+    parser.add_argument(
+        "--backend",
+        choices=sorted(BACKEND_ENDPOINTS),
+        default=None,
+        help="vLLM's name for the API: vllm / openai (/v1/completions) or openai-chat "
+        "(/v1/chat/completions); sets the default --endpoint",
+    )
+    parser.add_argument(
+        "--endpoint", choices=ENDPOINTS, default=None, help="default: /v1/completions"
+    )
+    parser.add_argument(
+        "--label", default=None, help="the result's backend name and file prefix (pagedllm)"
+    )
     parser.add_argument(
         "--model", default=None, help="model path (tokenizer); default: the server's first model"
     )
@@ -78,7 +107,42 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--burstiness", type=float, default=1.0, help="1.0: Poisson arrivals")
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=0.0)
+    for name in SAMPLING_FLAGS:
+        kind = int if name == "top_k" else float
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, type=kind, default=None, help=f"send {name} (when given)")
     parser.add_argument("--ignore-eos", action="store_true", help="send ignore_eos=true")
+    parser.add_argument(
+        "--extra-body",
+        type=_json_object,
+        default=None,
+        help="JSON object merged into every request body, e.g. '{\"min_tokens\": 8}'",
+    )
+    parser.add_argument(
+        "--header",
+        nargs="+",
+        default=None,
+        metavar="KEY=VALUE",
+        help="HTTP headers sent with every request",
+    )
+    parser.add_argument(
+        "--request-id-prefix",
+        default=None,
+        help="send X-Request-Id: PREFIX<i> with request i (the server's request ids)",
+    )
+    parser.add_argument(
+        "--num-warmups",
+        type=int,
+        default=0,
+        help="requests sent (and not measured) before the run, after the test request",
+    )
+    parser.add_argument(
+        "--ready-check-timeout-sec",
+        type=float,
+        default=0.0,
+        help="wait up to this long for the server to answer /v1/models before starting "
+        "(default 0: an unreachable server is an error at once)",
+    )
     parser.add_argument(
         "--goodput", nargs="+", default=None, metavar="NAME:MS", help="SLOs, e.g. ttft:500"
     )
@@ -115,6 +179,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser)
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    return value
+
+
 def _request_body(req: RequestInput, chat: bool) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": req.model,
@@ -130,6 +204,8 @@ def _request_body(req: RequestInput, chat: bool) -> dict[str, Any]:
         body["max_tokens"] = req.output_len
     if req.ignore_eos:
         body["ignore_eos"] = True
+    if req.extra_body:
+        body.update(req.extra_body)
     return body
 
 
@@ -154,7 +230,8 @@ async def send_request(client: Any, req: RequestInput, chat: bool) -> RequestFun
     out.start_time = start
     got_first = False
     try:
-        async with client.stream("POST", req.api_url, json=_request_body(req, chat)) as resp:
+        body = _request_body(req, chat)
+        async with client.stream("POST", req.api_url, json=body, headers=req.headers) as resp:
             if resp.status_code != 200:
                 body = (await resp.aread()).decode("utf-8", "replace")
                 out.error = f"HTTP {resp.status_code}: {body[:500]}"
@@ -205,6 +282,23 @@ async def arrivals(
 
 
 def _validate(args: argparse.Namespace) -> None:
+    """Check the flags; resolve --backend / --endpoint into `args.endpoint`."""
+    if args.backend is not None:
+        implied = BACKEND_ENDPOINTS[args.backend]
+        if args.endpoint is not None and args.endpoint != implied:
+            raise ValueError(
+                f"--backend {args.backend} sends to {implied}, not --endpoint {args.endpoint}"
+            )
+        args.endpoint = implied
+    elif args.endpoint is None:
+        args.endpoint = "/v1/completions"
+    _parse_key_values(args.header, "--header")
+    if args.num_warmups < 0:
+        raise ValueError(f"--num-warmups={args.num_warmups} must be 0 or more")
+    if not args.ready_check_timeout_sec >= 0:
+        raise ValueError(
+            f"--ready-check-timeout-sec={args.ready_check_timeout_sec} must be 0 or more"
+        )
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate={args.request_rate} must be positive")
     if not args.burstiness > 0:
@@ -245,22 +339,38 @@ async def run_benchmark(
     chat = args.endpoint == "/v1/chat/completions"
     api_url = base_url + args.endpoint
 
-    def make_input(r: SampleRequest) -> RequestInput:
+    extra_body = {n: getattr(args, n) for n in SAMPLING_FLAGS if getattr(args, n) is not None}
+    extra_body.update(args.extra_body or {})
+
+    def make_input(i: int, r: SampleRequest) -> RequestInput:
         prompt: str | list[int] = r.prompt if r.prompt is not None else r.prompt_token_ids
+        headers = None
+        if args.request_id_prefix is not None:
+            headers = {"X-Request-Id": f"{args.request_id_prefix}{i}"}
         return RequestInput(
             api_url, model_name, prompt, r.prompt_len, r.expected_output_len,
-            args.temperature, args.ignore_eos,
+            args.temperature, args.ignore_eos, extra_body, headers,
         )  # fmt: skip
 
-    inputs = [make_input(r) for r in requests]
+    inputs = [make_input(i, r) for i, r in enumerate(requests)]
     limits = httpx.Limits(max_connections=args.max_concurrency, max_keepalive_connections=None)
     timeout = httpx.Timeout(_HTTP_TIMEOUT_S)
-    headers = auth_headers(args)
+    headers = client_headers(args)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
         print("Starting initial single prompt test run...")
-        test = await send_request(client, inputs[0], chat)
+        test = await send_request(client, _unlabelled(inputs[0]), chat)
         if not test.success:
             raise ValueError(f"the initial test request failed; check the server: {test.error}")
+        if args.num_warmups:
+            print(f"Warming up with {args.num_warmups} request(s)...")
+            gate = asyncio.Semaphore(args.max_concurrency or args.num_warmups)
+
+            async def warm(req: RequestInput) -> RequestFuncOutput:
+                async with gate:
+                    return await send_request(client, _unlabelled(req), chat)
+
+            warm_inputs = [inputs[i % len(inputs)] for i in range(args.num_warmups)]
+            await asyncio.gather(*(warm(r) for r in warm_inputs))
         print("Initial test run completed. Starting main benchmark run...")
         print(f"Traffic request rate: {args.request_rate}")
         kind = " (Poisson process)" if args.burstiness == 1.0 else ""
@@ -340,6 +450,12 @@ def format_results(
     return lines, result
 
 
+def _unlabelled(req: RequestInput) -> RequestInput:
+    """`req` without its X-Request-Id (the test and warm-up requests reuse measured ones'
+    inputs; a server may refuse a request id already in flight)."""
+    return dataclasses.replace(req, headers=None)
+
+
 def main(args: argparse.Namespace) -> int:
     import httpx
 
@@ -352,9 +468,13 @@ def main(args: argparse.Namespace) -> int:
     percentiles = parse_metric_percentiles(args.metric_percentiles)
     slos = parse_goodput(args.goodput)
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    if args.ready_check_timeout_sec > 0:
+        asyncio.run(
+            _wait_ready(httpx, base_url, client_headers(args), args.ready_check_timeout_sec)
+        )
     model_id = args.model
     if model_id is None:
-        model_id = asyncio.run(_list_first_model(httpx, base_url, auth_headers(args)))
+        model_id = asyncio.run(_list_first_model(httpx, base_url, client_headers(args)))
     model_name = args.served_model_name[0] if args.served_model_name else model_id
     tokenizer_id = args.tokenizer or model_id
     tokenizer = get_tokenizer(tokenizer_id, args.trust_remote_code)
@@ -377,7 +497,7 @@ def main(args: argparse.Namespace) -> int:
         now = datetime.now().strftime("%Y%m%d-%H%M%S")
         result.update(
             date=now,
-            backend="pagedllm",
+            backend=args.label or "pagedllm",
             endpoint=args.endpoint,
             model_id=model_id,
             tokenizer_id=tokenizer_id,
@@ -386,7 +506,7 @@ def main(args: argparse.Namespace) -> int:
             burstiness=args.burstiness,
             max_concurrency=args.max_concurrency,
             goodput=slos or None,
-            **_parse_metadata(args.metadata),
+            **_parse_key_values(args.metadata, "--metadata"),
         )
         detailed = dict(
             input_lens=[o.prompt_len for o in outputs],
@@ -405,8 +525,12 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def auth_headers(args: argparse.Namespace) -> dict[str, str]:
-    return {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+def client_headers(args: argparse.Namespace) -> dict[str, str]:
+    """Every request's headers: --header's, and the API key's Authorization."""
+    headers = _parse_key_values(getattr(args, "header", None), "--header")
+    if args.api_key:
+        headers["Authorization"] = f"Bearer {args.api_key}"
+    return headers
 
 
 def result_path(args: argparse.Namespace, model_id: str, date: str) -> str:
@@ -416,18 +540,36 @@ def result_path(args: argparse.Namespace, model_id: str, date: str) -> str:
     if name is None:
         concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
         model = os.path.basename(model_id.rstrip("/")) or "model"
-        name = f"pagedllm-{args.request_rate}qps{concurrency}-{model}-{date}.json"
+        label = args.label or "pagedllm"
+        name = f"{label}-{args.request_rate}qps{concurrency}-{model}-{date}.json"
     return os.path.join(args.result_dir, name) if args.result_dir else name
 
 
-def _parse_metadata(items: list[str] | None) -> dict[str, str]:
-    metadata = {}
+def _parse_key_values(items: list[str] | None, flag: str) -> dict[str, str]:
+    pairs = {}
     for item in items or ():
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise ValueError(f"--metadata {item!r} is not KEY=VALUE")
-        metadata[key] = value
-    return metadata
+            raise ValueError(f"{flag} {item!r} is not KEY=VALUE")
+        pairs[key] = value
+    return pairs
+
+
+async def _wait_ready(httpx: Any, base_url: str, headers: dict[str, str], timeout: float) -> None:
+    """Poll /v1/models until it answers 200 or `timeout` seconds pass (then the caller's
+    own request reports what is wrong)."""
+    print(f"Waiting up to {timeout:g} s for {base_url} to answer...")
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=5.0, headers=headers) as client:
+        while True:
+            try:
+                if (await client.get(base_url + "/v1/models")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() >= deadline:
+                return
+            await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
 
 async def _list_first_model(httpx: Any, base_url: str, headers: dict[str, str]) -> str:

@@ -163,10 +163,16 @@ def knob_flags(config: dict[str, Any]) -> list[str]:
 def _bench_args(rate: float, seed: int) -> argparse.Namespace:
     """What `serve.run_benchmark` reads: streaming completions, EOS ignored (the output
     lengths are the workload's), Poisson arrivals at `rate`."""
-    return argparse.Namespace(
+    from pagedllm.benchmarks.serve import add_cli_args
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args([])  # bench serve's defaults for everything else
+    args.__dict__.update(
         endpoint="/v1/completions", max_concurrency=None, temperature=0.0, ignore_eos=True,
         api_key=None, request_rate=rate, burstiness=1.0, disable_tqdm=True, seed=seed,
     )  # fmt: skip
+    return args
 
 
 def measure_point(

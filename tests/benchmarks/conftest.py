@@ -34,6 +34,8 @@ class FakeServer:
     bodies: list[dict] = field(default_factory=list)
     # The Authorization header of every request (None when absent).
     authorizations: list[str | None] = field(default_factory=list)
+    # Every generation request's headers (lower-case names).
+    headers: list[dict[str, str]] = field(default_factory=list)
 
 
 def _sse(obj: dict | str) -> bytes:
@@ -54,6 +56,7 @@ def _build_app(fake: FakeServer):
         body = await request.json()
         fake.bodies.append(body)
         fake.authorizations.append(request.headers.get("authorization"))
+        fake.headers.append(dict(request.headers))
         chat = request.url.path.endswith("/chat/completions")
         if body.get("prompt") == [0]:
             return JSONResponse({"error": {"message": "bad prompt"}}, status_code=400)

@@ -287,3 +287,84 @@ def test_bench_serve_against_live_server(live_server, tiny_model_dir, tmp_path, 
     assert result["output_lens"] == [6] * 8
     assert all(e == "" for e in result["errors"])
     assert 0 < result["mean_ttft_ms"] and 0 < result["mean_tpot_ms"]
+
+
+def _bench(fake_server, *flags: str, n: int = 3) -> int:
+    argv = ["bench", "serve", "--base-url", fake_server.url, "--num-prompts", str(n),
+            "--input-len", "4", "--output-len", "2", "--disable-tqdm", *flags]  # fmt: skip
+    return cli_main(argv)
+
+
+def test_bench_serve_backend_names_the_endpoint(fake_server, capsys):
+    """vLLM's --backend: openai-chat sends chat messages, vllm / openai completions; a
+    --backend that contradicts --endpoint is an error naming both."""
+    assert _bench(fake_server, "--backend", "openai-chat", n=2) == 0
+    assert all("messages" in b for b in fake_server.bodies[-2:])
+    assert _bench(fake_server, "--backend", "vllm", n=2) == 0
+    assert all("prompt" in b for b in fake_server.bodies[-2:])
+    capsys.readouterr()
+    argv = ["--backend", "openai-chat", "--endpoint", "/v1/completions"]
+    assert _bench(fake_server, *argv) == 2
+    assert "--backend openai-chat sends to /v1/chat/completions" in capsys.readouterr().err
+
+
+def test_bench_serve_sampling_flags_extra_body_and_headers(fake_server, capsys):
+    """vLLM's sampling flags and --extra-body reach every body (and nothing unasked does);
+    --header every request; --request-id-prefix the measured requests as X-Request-Id."""
+    assert _bench(fake_server, n=2) == 0
+    assert not {"top_p", "top_k", "min_p", "min_tokens"} & set(fake_server.bodies[-1])
+    flags = ["--top-p", "0.9", "--top-k", "5", "--min-p", "0.1", "--frequency-penalty", "0.5",
+             "--presence-penalty", "0.2", "--repetition-penalty", "1.1",
+             "--extra-body", '{"min_tokens": 2, "top_k": 7}', "--header", "X-A=1", "X-B=two",
+             "--request-id-prefix", "run1-"]  # fmt: skip
+    seen = len(fake_server.bodies)
+    assert _bench(fake_server, *flags, n=3) == 0
+    bodies, headers = fake_server.bodies[seen:], fake_server.headers[seen:]
+    assert len(bodies) == 4  # the test request, then the three measured
+    for body in bodies:
+        assert body["top_p"] == 0.9 and body["min_p"] == 0.1 and body["min_tokens"] == 2
+        assert body["top_k"] == 7  # --extra-body wins
+        assert body["frequency_penalty"] == 0.5 and body["presence_penalty"] == 0.2
+        assert body["repetition_penalty"] == 1.1
+    assert all(h["x-a"] == "1" and h["x-b"] == "two" for h in headers)
+    assert "x-request-id" not in headers[0]  # the test request reuses request 0's input
+    assert sorted(h["x-request-id"] for h in headers[1:]) == ["run1-0", "run1-1", "run1-2"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:  # argparse's usage error
+        _bench(fake_server, "--extra-body", "[1]")
+    assert exit_info.value.code == 2
+    assert "--extra-body: '[1]' is not a JSON object" in capsys.readouterr().err
+    assert _bench(fake_server, "--header", "novalue") == 2
+    assert "--header 'novalue' is not KEY=VALUE" in capsys.readouterr().err
+
+
+def test_bench_serve_warmups_and_label(fake_server, tmp_path, capsys):
+    """--num-warmups sends that many requests before the run, outside its figures; --label
+    names the result's backend and file."""
+    seen = len(fake_server.bodies)
+    flags = ["--num-warmups", "4", "--save-result", "--result-dir", str(tmp_path),
+             "--label", "mine"]  # fmt: skip
+    assert _bench(fake_server, *flags, n=3) == 0
+    assert len(fake_server.bodies) - seen == 1 + 4 + 3
+    (path,) = tmp_path.glob("mine-infqps-*.json")
+    result = json.loads(path.read_text())
+    assert result["backend"] == "mine" and result["completed"] == 3
+    capsys.readouterr()
+
+
+def test_bench_serve_ready_check_waits_then_reports(capsys):
+    """--ready-check-timeout-sec polls the server that long before the clear error."""
+    import socket
+    import time
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    argv = ["bench", "serve", "--port", str(port), "--num-prompts", "2",
+            "--ready-check-timeout-sec", "1.5"]  # fmt: skip
+    assert cli_main(argv) == 2
+    assert time.monotonic() - start >= 1.4
+    captured = capsys.readouterr()
+    assert "Waiting up to 1.5 s" in captured.out
+    assert f"cannot reach a server at http://127.0.0.1:{port}" in captured.err
