@@ -82,7 +82,7 @@ class RequestInput:
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.engine.arg_utils import EngineArgs, json_object_arg
 
     parser.add_argument("--base-url", default=None, help="server URL (overrides --host/--port)")
     parser.add_argument("--host", default="127.0.0.1")
@@ -114,7 +114,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="send ignore_eos=true")
     parser.add_argument(
         "--extra-body",
-        type=_json_object,
+        type=json_object_arg,
         default=None,
         help="JSON object merged into every request body, e.g. '{\"min_tokens\": 8}'",
     )
@@ -177,16 +177,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     # Engine flags are accepted so a `serve` command line can be reused; `--tokenizer`,
     # `--served-model-name` (the model name sent), `--trust-remote-code` and `--seed` apply.
     EngineArgs.add_cli_args(parser)
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
-    return value
 
 
 def _request_body(req: RequestInput, chat: bool) -> dict[str, Any]:

@@ -43,6 +43,7 @@ class EngineArgs:
     served_model_name: str | list[str] | None = None
     trust_remote_code: bool = False
     generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | None = None
     max_logprobs: int = 20
     dtype: str = "auto"
     quantization: str | None = None
@@ -55,6 +56,7 @@ class EngineArgs:
     max_num_seqs: int | None = None
     long_prefill_token_threshold: int = 0
     kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     scheduling_policy: str = "fcfs"
@@ -140,6 +142,7 @@ class EngineArgs:
             eos_token_ids=get_eos_token_ids(model_dir, hf_config, generation_config),
             generation_config=generation_config,
         )
+        _check_kv_cache_dtype(self.kv_cache_dtype, model_config.dtype)
         max_num_batched_tokens = self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         if not self.enable_chunked_prefill:
             max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
@@ -240,19 +243,27 @@ class EngineArgs:
     def _generation_config(self, load: Any, model_dir: str) -> dict[str, Any]:
         """vLLM's `generation_config`: "auto" reads the model's generation_config.json,
         "vllm" none (built-in defaults), anything else is a folder holding one."""
-        if self.generation_config == "auto":
-            return load(model_dir)
-        if self.generation_config == "vllm":
-            return {}
-        from pagedllm.transformers_utils.config import resolve_local_dir
-
-        folder = resolve_local_dir(self.generation_config, what="generation_config")
-        if not (folder / "generation_config.json").is_file():
+        override = self.override_generation_config
+        if override is not None and not isinstance(override, dict):
             raise ValueError(
-                f"generation_config={self.generation_config!r} has no generation_config.json "
-                "(pass 'auto', 'vllm' or a folder holding one)"
+                f"override_generation_config={override!r} must be a dict (e.g. "
+                '{"temperature": 0.5})'
             )
-        return load(str(folder))
+        if self.generation_config == "auto":
+            config = load(model_dir)
+        elif self.generation_config == "vllm":
+            config = {}
+        else:
+            from pagedllm.transformers_utils.config import resolve_local_dir
+
+            folder = resolve_local_dir(self.generation_config, what="generation_config")
+            if not (folder / "generation_config.json").is_file():
+                raise ValueError(
+                    f"generation_config={self.generation_config!r} has no "
+                    "generation_config.json (pass 'auto', 'vllm' or a folder holding one)"
+                )
+            config = load(str(folder))
+        return {**config, **(override or {})}
 
     def _resolve_max_model_len(self, hf_config: Any) -> int:
         derived = getattr(hf_config, "max_position_embeddings", None) or 2048
@@ -292,6 +303,8 @@ class EngineArgs:
                 )
             elif f.name == "quantization":
                 group.add_argument(*flags, "-q", choices=["int8"], default=None, help=help_text)
+            elif f.name == "override_generation_config":
+                group.add_argument(*flags, type=json_object_arg, default=None, help=help_text)
             elif f.name in ("speculative_config", "kv_transfer_config", "compilation_config"):
                 group.add_argument(*flags, type=json.loads, default=None, help=help_text)
             elif f.name == "served_model_name":
@@ -314,6 +327,34 @@ class EngineArgs:
 
 # Other names an engine argument is also known by (kwarg and flag): the field it sets.
 ALIASES = {"kv_cache_memory": "kv_cache_memory_bytes"}
+
+
+_KV_CACHE_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16",
+                    "float32": "float32", "float": "float32"}  # fmt: skip
+
+
+def _check_kv_cache_dtype(kv_cache_dtype: str, model_dtype: Any) -> None:
+    """vLLM's kv_cache_dtype: the cache is kept in the model's dtype, so "auto" (or that
+    dtype's name) is all pagedllm takes; fp8 caches are refused by name."""
+    if kv_cache_dtype == "auto":
+        return
+    model_name = str(model_dtype).removeprefix("torch.")
+    if _KV_CACHE_DTYPES.get(kv_cache_dtype) != model_name:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is not supported: pagedllm keeps the KV cache "
+            f"in the model's dtype ({model_name}); pass 'auto'"
+        )
+
+
+def json_object_arg(text: str) -> dict[str, Any]:
+    """An argparse type: a JSON object (argparse reports anything else under the flag)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    return value
 
 
 def human_readable_int(value: str) -> int:
@@ -405,6 +446,10 @@ _HELP = {
     "activations quantized per token to int16 at run time).",
     "max_model_len": "Longest prompt + output (default: the model's max_position_embeddings).",
     "block_size": "Tokens per KV-cache block.",
+    "kv_cache_dtype": "auto (the model's dtype, the only one pagedllm keeps the cache in; fp8 "
+    "caches are refused).",
+    "override_generation_config": "A JSON object over the generation config's sampling "
+    "defaults, e.g. '{\"temperature\": 0.5}' (merged with --generation-config's).",
     "enable_prefix_caching": "Reuse KV blocks of shared prompt prefixes.",
     "enable_chunked_prefill": "Split long prompts over several steps.",
     "batch_invariant": "A request's tokens and logprobs are bitwise the same whatever the batch "

@@ -76,3 +76,43 @@ def test_generation_config_modes(tiny_llama_dir, tmp_path):
     assert all(model_own[k] == v for k, v in auto.items() if k in model_own)
     with pytest.raises(ValueError, match="generation_config"):
         defaults(str(tmp_path))  # a folder without the file
+
+
+def test_override_generation_config_merges_over_each_mode(tiny_llama_dir, tmp_path):
+    """--override-generation-config (vLLM's): its keys win over the generation config's, in
+    every --generation-config mode; anything but a JSON object is refused."""
+
+    def defaults(generation_config: str, override: dict | None) -> dict:
+        args = EngineArgs(
+            model=tiny_llama_dir,
+            device="cpu",
+            generation_config=generation_config,
+            override_generation_config=override,
+        )
+        return args.create_engine_config().model_config.get_diff_sampling_param()
+
+    folder = tmp_path / "gen"
+    folder.mkdir()
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.25, "top_k": 7}))
+    assert defaults(str(folder), {"temperature": 0.5}) == {"temperature": 0.5, "top_k": 7}
+    assert defaults("vllm", {"top_p": 0.9}) == {"top_p": 0.9}
+    assert defaults("auto", {"min_p": 0.05})["min_p"] == 0.05
+    args = _parser().parse_args(["--override-generation-config", '{"temperature": 0.1}'])
+    assert args.override_generation_config == {"temperature": 0.1}
+    with pytest.raises(SystemExit):  # argparse: not a JSON object
+        _parser().parse_args(["--override-generation-config", "[0.1]"])
+
+
+@pytest.mark.parametrize("value", ["fp8", "fp8_e5m2", "fp8_e4m3", "float16"])
+def test_kv_cache_dtype_other_than_the_models_is_refused_by_name(tiny_llama_dir, value):
+    """The cache is kept in the model's dtype: "auto" or that dtype's name is accepted, any
+    other kv_cache_dtype (fp8 above all) is an error naming it, never ignored."""
+    args = EngineArgs(model=tiny_llama_dir, device="cpu", dtype="float32", kv_cache_dtype=value)
+    with pytest.raises(ValueError, match=f"kv_cache_dtype='{value}' is not supported"):
+        args.create_engine_config()
+    for ok in ("auto", "float32"):
+        config = EngineArgs(
+            model=tiny_llama_dir, device="cpu", dtype="float32", kv_cache_dtype=ok
+        ).create_engine_config()
+        assert str(config.model_config.dtype) == "torch.float32"
+    assert _parser().parse_args(["--kv-cache-dtype", "auto"]).kv_cache_dtype == "auto"

@@ -22,6 +22,7 @@ import hmac
 import logging
 import socket
 import sys
+import uuid
 from collections.abc import AsyncGenerator, Awaitable
 from contextlib import asynccontextmanager
 from http import HTTPStatus
@@ -65,6 +66,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_engine import ServingOptions
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.starting import answering_while_starting
@@ -292,8 +294,8 @@ def init_app_state(app: FastAPI, engine: AsyncLLM, args: argparse.Namespace) -> 
         limits.max_prompt_chars,
         limits.max_n_sequences,
     )
-    details = bool(getattr(args, "enable_prompt_tokens_details", False))
-    state.serving_completion = OpenAIServingCompletion(engine, names, limits, details)
+    options = ServingOptions.from_args(args)
+    state.serving_completion = OpenAIServingCompletion(engine, names, limits, options)
     state.serving_chat = OpenAIServingChat(
         engine,
         names,
@@ -301,10 +303,10 @@ def init_app_state(app: FastAPI, engine: AsyncLLM, args: argparse.Namespace) -> 
         enable_auto_tools=getattr(args, "enable_auto_tool_choice", False),
         tool_call_parser=getattr(args, "tool_call_parser", None),
         reasoning_parser=engine.config.structured_outputs_config.reasoning_parser,
-        enable_prompt_tokens_details=details,
+        options=options,
     )
     state.serving_responses = OpenAIServingResponses(state.serving_chat, state.chat_template)
-    state.serving_tokenization = OpenAIServingTokenization(engine, names, limits)
+    state.serving_tokenization = OpenAIServingTokenization(engine, names, limits, options=options)
 
 
 async def _engine_watchdog(app: FastAPI, engine: AsyncLLM, keep_alive: bool) -> None:
@@ -387,7 +389,10 @@ def build_app(
                 logger.info("Shutting down the engine")
                 the_engine.shutdown()
 
-    app = FastAPI(lifespan=lifespan, root_path=getattr(args, "root_path", None) or "")
+    docs: dict[str, Any] = {}
+    if getattr(args, "disable_fastapi_docs", False):  # no /docs, /redoc, /openapi.json
+        docs = dict(openapi_url=None, docs_url=None, redoc_url=None)
+    app = FastAPI(lifespan=lifespan, root_path=getattr(args, "root_path", None) or "", **docs)
     app.router.route_class = CheckedJSONRoute
     _register_routes(app)
     if getattr(args, "enable_tokenizer_info_endpoint", False):
@@ -402,6 +407,8 @@ def build_app(
     max_body = ServerLimits.from_args(args).max_request_body_bytes  # bad flags: fail now
     app.add_middleware(RequestBodyLimitMiddleware, max_bytes=max_body)
     app.add_middleware(CatchAllMiddleware)
+    if getattr(args, "enable_request_id_headers", False):
+        app.add_middleware(RequestIdHeaderMiddleware)
     # Added last, so outermost: CORS headers reach the browser on errors (401, 500 too).
     app.add_middleware(
         CORSMiddleware,
@@ -411,6 +418,33 @@ def build_app(
         allow_credentials=getattr(args, "allow_credentials", False),
     )
     return app
+
+
+class RequestIdHeaderMiddleware:
+    """--enable-request-id-headers (pure ASGI): every response carries X-Request-Id, the
+    request's own header or a new id, which is then put on the request too so that the
+    generation endpoints use it as the request's id (in logs, aborts, errors)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = list(scope.get("headers") or [])
+        request_id = dict(headers).get(b"x-request-id")
+        if not request_id:
+            request_id = uuid.uuid4().hex.encode()
+            scope = {**scope, "headers": [*headers, (b"x-request-id", request_id)]}
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"x-request-id", request_id)]}  # fmt: skip
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 def create_server_socket(host: str | None, port: int) -> socket.socket:
@@ -468,6 +502,7 @@ def run_server(
         host=args.host or "0.0.0.0",
         port=args.port,
         log_level=args.uvicorn_log_level,
+        access_log=not getattr(args, "disable_uvicorn_access_log", False),
         ssl_keyfile=args.ssl_keyfile,
         ssl_certfile=args.ssl_certfile,
         timeout_graceful_shutdown=args.timeout_graceful_shutdown,

@@ -9,6 +9,7 @@ import logging
 import os
 from typing import Any
 
+from pagedllm.engine.arg_utils import json_object_arg
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
@@ -86,6 +87,42 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         choices=sorted(TOOL_PARSERS),
         help='How the model writes tool calls, read for tool_choice "auto".',
+    )
+    group.add_argument(
+        "--response-role",
+        default="assistant",
+        help="The role of the reply's message after a generation prompt (default assistant).",
+    )
+    group.add_argument(
+        "--default-chat-template-kwargs",
+        type=json_object_arg,
+        default=None,
+        help="chat_template_kwargs every chat request starts from (its own win), e.g. "
+        "'{\"enable_thinking\": false}'.",
+    )
+    group.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="Logprob tokens as 'token_id:N' unless a request says otherwise.",
+    )
+    group.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="End every stream with a usage chunk, asked for or not.",
+    )
+    group.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="Answer every request with an X-Request-Id header (the request's own, or a new "
+        "id, which the generation endpoints then use as the request's id).",
+    )
+    group.add_argument(
+        "--disable-uvicorn-access-log", action="store_true", help="No uvicorn access log."
+    )
+    group.add_argument(
+        "--disable-fastapi-docs",
+        action="store_true",
+        help="No /docs, /redoc or /openapi.json.",
     )
     group.add_argument(
         "--enable-prompt-tokens-details",

@@ -28,6 +28,7 @@ from pagedllm.entrypoints.openai.request_checks import check_fields
 from pagedllm.entrypoints.openai.serving_engine import (
     OpenAIError,
     OpenAIServing,
+    ServingOptions,
     final_output,
     make_usage,
 )
@@ -63,9 +64,9 @@ class OpenAIServingChat(OpenAIServing):
         enable_auto_tools: bool = False,
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
-        enable_prompt_tokens_details: bool = False,
+        options: ServingOptions | None = None,
     ) -> None:
-        super().__init__(engine, served_model_names, limits, enable_prompt_tokens_details)
+        super().__init__(engine, served_model_names, limits, options)
         self.auto_tool_parser: ToolParser | None = None
         if enable_auto_tools:
             if tool_call_parser is None:
@@ -79,13 +80,27 @@ class OpenAIServingChat(OpenAIServing):
             )
             self.reasoning_parser_cls(self.tokenizer)  # the tokenizer must have its tokens
 
+    def template_kwargs(self, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A request's chat_template_kwargs over the server's --default-chat-template-kwargs."""
+        defaults = self.options.default_chat_template_kwargs
+        return {**defaults, **(kwargs or {})} if defaults else kwargs
+
+    def response_role(self, request: ChatCompletionRequest) -> str:
+        """The reply's role: --response-role after a generation prompt, else (a continued
+        final message) that message's role, as vLLM's."""
+        if request.add_generation_prompt or not request.messages:
+            return self.options.response_role
+        last = request.messages[-1]
+        return (last.get("role") if isinstance(last, dict) else None) or "assistant"
+
     def output_parsers(
         self, request: Any, prompt_token_ids: list[int], tool_parser: ToolParser | None
     ) -> list[ChatOutputParser]:
         """One output splitter per choice (reasoning, content, tool calls)."""
         reasoning = None
         if self.reasoning_parser_cls is not None:
-            reasoning = self.reasoning_parser_cls(self.tokenizer, request.chat_template_kwargs)
+            kwargs = self.template_kwargs(request.chat_template_kwargs)
+            reasoning = self.reasoning_parser_cls(self.tokenizer, kwargs)
         max_calls = 1 if request.parallel_tool_calls is False else None
         return [
             ChatOutputParser(
@@ -125,7 +140,7 @@ class OpenAIServingChat(OpenAIServing):
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 chat_template=chat_template,
-                chat_template_kwargs=chat_template_kwargs,
+                chat_template_kwargs=self.template_kwargs(chat_template_kwargs),
                 tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
                 documents=documents,
             )
@@ -182,11 +197,11 @@ class OpenAIServingChat(OpenAIServing):
                     list(out.token_ids),
                     out.logprobs,
                     request.top_logprobs or 0,
-                    as_ids=bool(request.return_tokens_as_token_ids),
+                    as_ids=self.tokens_as_ids(request),
                 )
             parsed = parsers[out.index].parse(out.text)
             message = ChatMessage(
-                role="assistant",
+                role=self.response_role(request),
                 content=echo + (parsed.content or "") if echo else parsed.content,
                 reasoning_content=parsed.reasoning,
                 reasoning=parsed.reasoning,
@@ -252,7 +267,7 @@ class OpenAIServingChat(OpenAIServing):
                         make_usage(num_prompt_tokens, 0) if request.continuous_usage else None
                     )
                     for i in range(request.n):
-                        role = DeltaMessage(role="assistant", content="")
+                        role = DeltaMessage(role=self.response_role(request), content="")
                         role_choice = ChatCompletionResponseStreamChoice(index=i, delta=role)
                         yield chunk([role_choice], head_usage)
                         if echo:
@@ -269,7 +284,7 @@ class OpenAIServingChat(OpenAIServing):
                             list(out.token_ids),
                             out.logprobs,
                             request.top_logprobs or 0,
-                            as_ids=bool(request.return_tokens_as_token_ids),
+                            as_ids=self.tokens_as_ids(request),
                         )
                     delta = parsers[out.index].feed(out.text, out.finish_reason is not None)
                     if delta is None and logprobs is None and out.finish_reason is None:
@@ -287,7 +302,7 @@ class OpenAIServingChat(OpenAIServing):
                     if request.continuous_usage:
                         usage = make_usage(num_prompt_tokens, num_generated[out.index])
                     yield chunk([choice], usage)
-            if request.include_usage_in_stream:
+            if self.include_usage(request):
                 cached = self.cached_tokens(num_cached_tokens)
                 yield chunk([], make_usage(num_prompt_tokens, sum(num_generated), cached))
         except Exception as e:

@@ -125,7 +125,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         token_ids,
                         step_logprobs,
                         request.logprobs,
-                        as_ids=bool(request.return_tokens_as_token_ids),
+                        as_ids=self.tokens_as_ids(request),
                     )
                 choices.append(
                     CompletionResponseChoice(
@@ -192,7 +192,7 @@ class OpenAIServingCompletion(OpenAIServing):
                             step_logprobs,
                             request.logprobs,
                             text_offsets[index],
-                            as_ids=bool(request.return_tokens_as_token_ids),
+                            as_ids=self.tokens_as_ids(request),
                         )
                     text_offsets[index] += len(text)
                     chunk = CompletionStreamResponse(
@@ -213,7 +213,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     if request.continuous_usage:
                         chunk.usage = make_usage(prompt_lens[i], num_generated[index])
                     yield f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
-            if request.include_usage_in_stream:
+            if self.include_usage(request):
                 usage = make_usage(
                     sum(prompt_lens), sum(num_generated), self.cached_tokens(sum(cached))
                 )

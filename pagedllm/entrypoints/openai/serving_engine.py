@@ -9,9 +9,11 @@ is sent as a `data:` event instead.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, TypeVar
 
@@ -35,6 +37,30 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class ServingOptions:
+    """Server-wide settings of the endpoints (vLLM's `serve` flags of the same names)."""
+
+    enable_prompt_tokens_details: bool = False
+    enable_force_include_usage: bool = False
+    return_tokens_as_token_ids: bool = False
+    response_role: str = "assistant"
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServingOptions:
+        kwargs = getattr(args, "default_chat_template_kwargs", None) or {}
+        if not isinstance(kwargs, dict):
+            raise ValueError(f"--default-chat-template-kwargs={kwargs!r} must be a JSON object")
+        return cls(
+            enable_prompt_tokens_details=bool(getattr(args, "enable_prompt_tokens_details", 0)),
+            enable_force_include_usage=bool(getattr(args, "enable_force_include_usage", 0)),
+            return_tokens_as_token_ids=bool(getattr(args, "return_tokens_as_token_ids", 0)),
+            response_role=getattr(args, "response_role", None) or "assistant",
+            default_chat_template_kwargs=kwargs,
+        )
+
+
 class OpenAIServing:
     """Base of the endpoint handlers; holds the engine, the names it is served under and the
     server's limits (default: resolved for the engine's model with the default flags).
@@ -47,10 +73,10 @@ class OpenAIServing:
         engine: AsyncLLM,
         served_model_names: list[str],
         limits: ServerLimits | None = None,
-        enable_prompt_tokens_details: bool = False,
+        options: ServingOptions | None = None,
     ) -> None:
         self.engine = engine
-        self.enable_prompt_tokens_details = enable_prompt_tokens_details
+        self.options = options or ServingOptions()
         self.tokenizer = engine.tokenizer
         self.served_model_names = served_model_names
         self.max_model_len = engine.model_config.max_model_len
@@ -61,7 +87,17 @@ class OpenAIServing:
     def cached_tokens(self, num_cached_tokens: int) -> int | None:
         """What `make_usage` reports as the prompt's cached tokens: the count with
         --enable-prompt-tokens-details, else nothing (no `prompt_tokens_details`)."""
-        return num_cached_tokens if self.enable_prompt_tokens_details else None
+        return num_cached_tokens if self.options.enable_prompt_tokens_details else None
+
+    def include_usage(self, request: Any) -> bool:
+        """Whether a stream ends with a usage chunk: asked for, or --enable-force-include-usage."""
+        return request.include_usage_in_stream or self.options.enable_force_include_usage
+
+    def tokens_as_ids(self, request: Any) -> bool:
+        """Logprob tokens as `token_id:N`: the request's field, else the server's default."""
+        if request.return_tokens_as_token_ids is not None:
+            return bool(request.return_tokens_as_token_ids)
+        return self.options.return_tokens_as_token_ids
 
     @property
     def model_name(self) -> str:

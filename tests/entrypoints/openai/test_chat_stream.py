@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from types import SimpleNamespace
 
 from pagedllm.entrypoints.openai.chat_output import ChatOutputParser
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
+from pagedllm.entrypoints.openai.serving_engine import ServingOptions
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
 
@@ -42,8 +41,9 @@ def _chunks(
             stream_options=stream_options,
         )
         parsers = [ChatOutputParser(None, [1, 2], None) for _ in range(n)]
-        serving = SimpleNamespace(model_name="m", enable_prompt_tokens_details=details)
-        serving.cached_tokens = lambda n: OpenAIServing.cached_tokens(serving, n)
+        serving = OpenAIServingChat.__new__(OpenAIServingChat)  # no engine: options only
+        serving.served_model_names = ["m"]
+        serving.options = ServingOptions(enable_prompt_tokens_details=details)
         stream = OpenAIServingChat._stream(serving, request, "r", 0, 2, engine(), parsers, echo)
         first = asyncio.ensure_future(stream.__anext__())
         await asyncio.sleep(0.05)
