@@ -45,6 +45,7 @@ from pagedllm.entrypoints.openai.cli_args import (
 )
 from pagedllm.entrypoints.openai.errors import (
     CatchAllMiddleware,
+    HTTPMiddleware,
     OpenAIError,
     error_response,
     register_error_handlers,
@@ -420,18 +421,12 @@ def build_app(
     return app
 
 
-class RequestIdHeaderMiddleware:
-    """--enable-request-id-headers (pure ASGI): every response carries X-Request-Id, the
-    request's own header or a new id, which is then put on the request too so that the
-    generation endpoints use it as the request's id (in logs, aborts, errors)."""
+class RequestIdHeaderMiddleware(HTTPMiddleware):
+    """--enable-request-id-headers: every response carries X-Request-Id, the request's own
+    header or a new id, which is then put on the request too so that the generation
+    endpoints use it as the request's id (in logs, aborts, errors)."""
 
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: dict, receive: Any, send: Any) -> None:
         headers = list(scope.get("headers") or [])
         request_id = dict(headers).get(b"x-request-id")
         if not request_id:

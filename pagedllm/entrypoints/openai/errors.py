@@ -154,10 +154,9 @@ def register_error_handlers(app: FastAPI) -> None:
         return error_response(OpenAIError.from_exception(exc))
 
 
-class CatchAllMiddleware:
-    """Pure ASGI, outermost: an exception nothing else handled becomes a 500 in OpenAI's
-    shape that names a request id (the `X-Request-Id` header, or a fresh one); the log gets
-    that id with the traceback. A response already started is left to end where it broke."""
+class HTTPMiddleware:
+    """A pure ASGI middleware's frame: other scopes (lifespan) pass through, `handle` gets
+    the HTTP ones."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -166,6 +165,18 @@ class CatchAllMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        await self.handle(scope, receive, send)
+
+    async def handle(self, scope: dict, receive: Any, send: Any) -> None:
+        raise NotImplementedError
+
+
+class CatchAllMiddleware(HTTPMiddleware):
+    """Outermost: an exception nothing else handled becomes a 500 in OpenAI's shape that
+    names a request id (the `X-Request-Id` header, or a fresh one); the log gets that id with
+    the traceback. A response already started is left to end where it broke."""
+
+    async def handle(self, scope: dict, receive: Any, send: Any) -> None:
         started = False
 
         async def send_tracked(message: dict) -> None:
