@@ -30,7 +30,7 @@ commit), for A/B runs.
     python scripts/sampling_options_cost.py prompt-logprobs MODEL_DIR --prompt 256 [--batch 64]
         [--src DIR]
     python scripts/sampling_options_cost.py engine MODEL_DIR [--batch 64 --prompt 1024
-        --output 64] [--option plain|rep|freq|logprobs0|logprobs5] [--src DIR]
+        --output 64] [--option plain|rep|freq|logprobs0|logprobs5|allowed|min_p] [--src DIR]
 """
 
 from __future__ import annotations
@@ -46,7 +46,15 @@ PENALTIES = {
     "rep": {"repetition_penalty": 1.1},
     "freq": {"frequency_penalty": 0.3, "presence_penalty": 0.3},
 }
-OPTIONS = {"plain": {}, **PENALTIES, "logprobs0": {"logprobs": 0}, "logprobs5": {"logprobs": 5}}
+OPTIONS = {
+    "plain": {},
+    **PENALTIES,
+    "logprobs0": {"logprobs": 0},
+    "logprobs5": {"logprobs": 5},
+    # Most of SmolLM2's vocabulary allowed (29,000 of 49,152 ids) on every row.
+    "allowed": {"allowed_token_ids": list(range(1000, 30000))},
+    "min_p": {"min_p": 0.05},
+}
 
 
 def metadata(args: argparse.Namespace) -> None:
