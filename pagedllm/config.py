@@ -41,6 +41,11 @@ def cpu_has_fast_bf16() -> bool:
     )
 
 
+def dtype_from_name(name: str) -> torch.dtype | None:
+    """The torch dtype a name such as "bfloat16", "half" or "fp32" stands for, or None."""
+    return _DTYPES.get(name)
+
+
 def cpu_has_bf16_kernels() -> bool:
     """Whether pagedllm's own GEMMs run bf16 weights on this CPU where oneDNN would emulate
     them (AVX2 + FMA: `layers/cpu_gemm.py`); then bf16 decodes faster than fp32 (half the

@@ -546,19 +546,18 @@ def _parse_key_values(items: list[str] | None, flag: str) -> dict[str, str]:
 
 
 async def _wait_ready(httpx: Any, base_url: str, headers: dict[str, str], timeout: float) -> None:
-    """Poll /v1/models until it answers 200 or `timeout` seconds pass (then the caller's
-    own request reports what is wrong)."""
+    """Poll /v1/models (`_first_model`) until it lists a model or `timeout` seconds pass
+    (then the caller's own request reports what is wrong)."""
     print(f"Waiting up to {timeout:g} s for {base_url} to answer...")
     deadline = time.monotonic() + timeout
     async with httpx.AsyncClient(timeout=5.0, headers=headers) as client:
         while True:
             try:
-                if (await client.get(base_url + "/v1/models")).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() >= deadline:
+                await _first_model(client, base_url)
                 return
+            except ValueError:
+                if time.monotonic() >= deadline:
+                    return
             await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
 

@@ -24,6 +24,7 @@ from pagedllm.config import (
     ParallelConfig,
     SchedulerConfig,
     StructuredOutputsConfig,
+    dtype_from_name,
     env_flag,
     parse_pp_layer_partition,
     resolve_dtype,
@@ -329,17 +330,11 @@ class EngineArgs:
 ALIASES = {"kv_cache_memory": "kv_cache_memory_bytes"}
 
 
-_KV_CACHE_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "half": "float16",
-                    "float32": "float32", "float": "float32"}  # fmt: skip
-
-
 def _check_kv_cache_dtype(kv_cache_dtype: str, model_dtype: Any) -> None:
     """vLLM's kv_cache_dtype: the cache is kept in the model's dtype, so "auto" (or that
     dtype's name) is all pagedllm takes; fp8 caches are refused by name."""
-    if kv_cache_dtype == "auto":
-        return
-    model_name = str(model_dtype).removeprefix("torch.")
-    if _KV_CACHE_DTYPES.get(kv_cache_dtype) != model_name:
+    if kv_cache_dtype != "auto" and dtype_from_name(kv_cache_dtype) != model_dtype:
+        model_name = str(model_dtype).removeprefix("torch.")
         raise ValueError(
             f"kv_cache_dtype={kv_cache_dtype!r} is not supported: pagedllm keeps the KV cache "
             f"in the model's dtype ({model_name}); pass 'auto'"

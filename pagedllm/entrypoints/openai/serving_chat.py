@@ -90,8 +90,7 @@ class OpenAIServingChat(OpenAIServing):
         final message) that message's role, as vLLM's."""
         if request.add_generation_prompt or not request.messages:
             return self.options.response_role
-        last = request.messages[-1]
-        return (last.get("role") if isinstance(last, dict) else None) or "assistant"
+        return request.messages[-1].get("role") or "assistant"
 
     def output_parsers(
         self, request: Any, prompt_token_ids: list[int], tool_parser: ToolParser | None

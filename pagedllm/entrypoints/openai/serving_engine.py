@@ -49,15 +49,13 @@ class ServingOptions:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServingOptions:
-        kwargs = getattr(args, "default_chat_template_kwargs", None) or {}
-        if not isinstance(kwargs, dict):
-            raise ValueError(f"--default-chat-template-kwargs={kwargs!r} must be a JSON object")
         return cls(
             enable_prompt_tokens_details=bool(getattr(args, "enable_prompt_tokens_details", 0)),
             enable_force_include_usage=bool(getattr(args, "enable_force_include_usage", 0)),
             return_tokens_as_token_ids=bool(getattr(args, "return_tokens_as_token_ids", 0)),
             response_role=getattr(args, "response_role", None) or "assistant",
-            default_chat_template_kwargs=kwargs,
+            # A JSON object (argparse's json_object_arg), or absent.
+            default_chat_template_kwargs=getattr(args, "default_chat_template_kwargs", None) or {},
         )
 
 
