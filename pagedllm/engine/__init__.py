@@ -31,6 +31,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):  #
     # Read by the front end only: with data parallelism, the engine to send this request to
     # (None: the load balancer picks one).
     data_parallel_rank: int | None = None
+    # Read by the front end only: OpenAI's prompt_cache_key, which keeps requests that share
+    # it on one data-parallel engine (engine/load_balancer.py).
+    prompt_cache_key: str | None = None
     # Set for a beam-search request: the core runs the whole search and answers once, with
     # EngineCoreOutput.beam_sequences (`sampling_params` then only guides detokenization).
     beam_search: BeamSearchParams | None = None

@@ -343,14 +343,14 @@ class MPClient(EngineCoreClient):
 
     # ----------------------------------------------------------------------------- sending
 
-    def _balance(self) -> int:
+    def _balance(self, request: EngineCoreRequest) -> int:
         """The engine for a new request (no explicit `data_parallel_rank`)."""
         return 0
 
     def _select_engine(self, request: EngineCoreRequest) -> int:
         rank = request.data_parallel_rank
         if rank is None:
-            return self._balance()
+            return self._balance(request)
         if not 0 <= rank < self.num_engines:
             raise ValueError(
                 f"data_parallel_rank={rank} is out of range: there are {self.num_engines} "
@@ -685,8 +685,8 @@ class _DPLBMixin:
         self._lb = DPLoadBalancer(config.parallel_config.data_parallel_size, index)
         super().__init__(config, engine_core_cls, client_config)
 
-    def _balance(self: Any) -> int:
-        return self._lb.choose(self._dead_engines)
+    def _balance(self: Any, request: EngineCoreRequest) -> int:
+        return self._lb.choose(self._dead_engines, request.prompt_cache_key)
 
     def _on_counts(self: Any, counts: list[list[int]]) -> None:
         self._lb.update(counts)

@@ -22,7 +22,8 @@ from pagedllm.spec_decode.config import get_speculative_config
 from pagedllm.structured_output.backend_xgrammar import StructuredOutputValidator
 
 # vLLM's prompt forms: a string, {"prompt": str}, or {"prompt_token_ids": [...]}; a dict may
-# carry a "cache_salt" (its prefix-cache namespace).
+# carry a "cache_salt" (its prefix-cache namespace) and a "prompt_cache_key" (which keeps
+# requests that share it on one data-parallel engine, whose prefix cache then serves them).
 PromptType = str | dict[str, Any]
 
 
@@ -84,6 +85,9 @@ class Processor:
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
+        cache_key = prompt.get("prompt_cache_key") if isinstance(prompt, dict) else None
+        if cache_key is not None and not isinstance(cache_key, str):
+            raise ValueError(f"prompt_cache_key must be a string, got {cache_key!r}")
         self._validate_prompt(prompt_ids)
         params = self._validate_params(params, len(prompt_ids))
         if beam_search is not None:
@@ -98,6 +102,7 @@ class Processor:
             eos_token_id=eos[0] if eos else None,
             beam_search=beam_search,
             cache_salt=cache_salt,
+            prompt_cache_key=cache_key,
         )
         return prompt_text, request
 

@@ -1,10 +1,11 @@
-"""DPLoadBalancer: the score 4 * waiting + running, own sends counted, dead engines skipped."""
+"""DPLoadBalancer: the score 4 * waiting + running, own sends counted, dead engines skipped,
+prompt_cache_key affinity."""
 
 from __future__ import annotations
 
 import pytest
 
-from pagedllm.engine.load_balancer import DPLoadBalancer
+from pagedllm.engine.load_balancer import STICKY_SLACK, DPLoadBalancer
 
 
 def test_burst_splits_evenly_between_idle_engines():
@@ -47,3 +48,26 @@ def test_dead_engines_are_skipped():
 def test_ties_start_at_the_client_index():
     assert DPLoadBalancer(2, client_index=1).choose() == 1
     assert DPLoadBalancer(2, client_index=0).choose() == 0
+
+
+def test_a_cache_key_stays_on_its_home_engine():
+    lb = DPLoadBalancer(2)
+    keys = [f"doc-{i}" for i in range(40)]
+    homes = [lb.home(k) for k in keys]
+    assert set(homes) == {0, 1}  # keys spread over the engines
+    assert homes == [DPLoadBalancer(2, client_index=1).home(k) for k in keys]  # any process
+    home = homes[0]
+    # The key's requests stay home, idle as the other engine is, while home is at most
+    # STICKY_SLACK above the idlest (four more waiting requests here).
+    assert [lb.choose(key=keys[0]) for _ in range(5)] == [home] * 5
+    assert lb.choose() == 1 - home
+
+
+def test_a_hot_key_overflows_then_returns():
+    lb = DPLoadBalancer(2)
+    home = lb.home("hot")
+    lb.counts[home] = [0, STICKY_SLACK + 1]  # its home now far busier than the other
+    assert lb.choose(key="hot") == 1 - home
+    lb.update([[0, 0], [0, 0]])
+    assert lb.choose(key="hot") == home
+    assert lb.choose(dead={home}, key="hot") == 1 - home  # a dead home: the idlest

@@ -27,6 +27,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagedllm.engine.load_balancer import DPLoadBalancer
 from tests.entrypoints.conftest import REPO_ROOT, RemoteServer, child_pids, free_port, pid_alive
 
 pytestmark = pytest.mark.distributed
@@ -129,6 +130,27 @@ def test_burst_matches_one_engine_and_splits_evenly(deployment, reference):
     # Every request counted once, on the engine that ran it; within 10% of an even split,
     # so both engines' (the head's and the headless node's) outputs were compared above.
     assert sum(split) == 200 and abs(split[0] - split[1]) <= 20, split
+
+
+def test_prompt_cache_key_keeps_requests_on_its_engine(deployment, reference):
+    """Requests sharing a prompt_cache_key go to its home engine (whichever API server takes
+    them), so they find their prefix in that engine's cache; outputs are unchanged."""
+    url = deployment.head.url
+    homes = {DPLoadBalancer(2).home(f"user-{i}"): f"user-{i}" for i in range(20)}
+    assert len(homes) == 2  # a key for each engine
+    for rank, key in sorted(homes.items()):
+        before = _metric(url, "vllm:request_success_total")
+        for i in range(10):  # one at a time: never the overflow of a busy home
+            body = {"prompt": PROMPTS[i], "max_tokens": MAX_TOKENS, "temperature": 0,
+                    "ignore_eos": True, "prompt_cache_key": key}  # fmt: skip
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == reference[i]
+        after = _metric(url, "vllm:request_success_total")
+        on_home = after[str(rank)] - before.get(str(rank), 0)
+        # The API servers count their own sends between the coordinator's publishes (every
+        # 50 ms); allow one overflow from a publish coming late.
+        assert on_home >= 9, (key, rank, on_home)
 
 
 def test_two_api_servers_answer_and_count_once(deployment, reference):

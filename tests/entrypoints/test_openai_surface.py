@@ -275,6 +275,10 @@ def test_beam_search_over_http(server, client, tiny_llama_dir, monkeypatch):
                                   "top_logprobs": 2}, "top_logprobs"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                   "stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                  "functions": [{"name": "f", "parameters": {}}]}, "functions"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                  "web_search_options": {}}, "web_search_options"),
         ("/tokenize", {"prompt": "x", "return_tokens": True}, "return_tokens"),
         ("/v1/completions", {"prompt": "x", "stream": True,
                              "stream_options": {"include_usage": True, "verbose": 1}},
@@ -290,7 +294,7 @@ def test_fields_that_would_not_act_are_400(server, path, body, param):
 def test_fields_holding_what_pagedllm_does_are_accepted(client):
     out = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=1, store=False,
-        modalities=["text"], service_tier="auto", user="u1",
+        modalities=["text"], service_tier="auto", user="u1", prompt_cache_key="conversation-1",
     )  # fmt: skip
     assert out.usage.completion_tokens == 1
 

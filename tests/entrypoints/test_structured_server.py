@@ -272,6 +272,10 @@ def test_responses_api_text(server, client):
         text={"format": {"type": "json_schema", "name": "r", "schema": SMALL_SCHEMA}},
     )  # fmt: skip
     check_json(structured.output_text, SMALL_SCHEMA)
-    for extra in ({"store": True}, {"previous_response_id": "resp_1"}):
+    for extra in ({"store": True}, {"previous_response_id": "resp_1"}, {"web_search": 1}):
         with pytest.raises(openai.BadRequestError, match=next(iter(extra))):
-            client.responses.create(model=MODEL, input="hi", **extra)
+            client.responses.create(model=MODEL, input="hi", extra_body=extra)
+    # vLLM's sampling extras act: the stop string ends the text the chat request ends at.
+    stop = out.output_text[2:4]
+    stopped = client.responses.create(**kwargs, extra_body={"ignore_eos": True, "stop": [stop]})
+    assert stopped.output_text == out.output_text[: out.output_text.index(stop)]

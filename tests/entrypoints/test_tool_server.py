@@ -133,6 +133,29 @@ def test_enable_thinking_false_reaches_the_template(client):
     assert json.loads(message.tool_calls[0].function.arguments)["city"] in CITIES
 
 
+def test_reasoning_effort_reaches_the_template(client):
+    """`reasoning_effort` (the SDK's own argument) as vLLM passes it: "none" turns thinking
+    off, any other effort on; the request's own chat_template_kwargs win."""
+    off = chat(client, weather_question("Tokyo"), reasoning_effort="none").choices[0].message
+    assert off.model_extra["reasoning_content"] is None
+    assert off.tool_calls[0].function.name == "get_weather"
+    on = chat(client, weather_question("Tokyo"), reasoning_effort="low").choices[0].message
+    assert "weather in" in on.model_extra["reasoning_content"]
+    both = (
+        chat(
+            client,
+            weather_question("Tokyo"),
+            reasoning_effort="none",
+            extra_body={"chat_template_kwargs": {"enable_thinking": True}},
+        )
+        .choices[0]
+        .message
+    )
+    assert both.model_extra["reasoning_content"] == on.model_extra["reasoning_content"]
+    with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
+        chat(client, weather_question("Tokyo"), reasoning_effort="extreme")
+
+
 def test_structured_output_starts_after_the_reasoning(client):
     schema = {"type": "object", "properties": {"city": {"enum": CITIES}}, "required": ["city"]}
     # The trained model would call the tool here; "none" leaves the schema to decide.
@@ -237,3 +260,17 @@ def test_responses_api_tools_reasoning_and_stream(server, client):
     assert arguments == call.arguments
     reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert reasoning == out.output[0].content[0].text
+
+
+def test_responses_api_reasoning_effort(client):
+    tools = [{"type": "function", **TOOLS[0]["function"]}]
+    out = client.responses.create(
+        model=MODEL, input="What is the weather in Paris?", tools=tools, max_output_tokens=80,
+        temperature=0.0, reasoning={"effort": "none"},
+    )  # fmt: skip
+    assert [item.type for item in out.output] == ["function_call"]
+    assert out.reasoning.effort == "none"
+    with pytest.raises(openai.BadRequestError, match="reasoning.summary"):
+        client.responses.create(
+            model=MODEL, input="Hi", max_output_tokens=8, reasoning={"summary": "auto"}
+        )

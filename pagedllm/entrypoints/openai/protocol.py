@@ -25,6 +25,9 @@ from pagedllm.entrypoints.openai.tool_choice import effective_tool_choice, tool_
 from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagedllm.structured_output.params import StructuredOutputsParams
 
+# OpenAI's reasoning efforts, plus vLLM's "max" (DeepSeek V4's templates).
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
 
 def random_uuid() -> str:
     return uuid.uuid4().hex
@@ -138,6 +141,9 @@ class SamplingRequestMixin(OpenAIBaseModel, StructuredOutputsRequestMixin):
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     return_tokens_as_token_ids: bool | None = None
     cache_salt: str | None = None
+    # OpenAI's: requests that share a long prefix share a key; with data parallelism they stay
+    # on one engine (engine/load_balancer.py), with one engine its prefix cache serves them all.
+    prompt_cache_key: str | None = None
 
     def to_beam_search_params(self, max_tokens: int, defaults: dict[str, Any]) -> BeamSearchParams:
         """vLLM's mapping: beam_width is best_of (or n); the n best beams are returned."""
@@ -308,6 +314,19 @@ class ChatCompletionRequest(SamplingRequestMixin):
     tool_choice: ToolChoice = None
     parallel_tool_calls: bool | None = True
     include_reasoning: bool = True
+    reasoning_effort: ReasoningEffort | None = None
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The request's chat_template_kwargs with its `reasoning_effort`, as vLLM passes it:
+        the effort itself, and `enable_thinking` off for "none" and on for any other effort
+        (what Qwen3-style templates read); the request's own kwargs win."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        effort = {
+            "reasoning_effort": self.reasoning_effort,
+            "enable_thinking": self.reasoning_effort != "none",
+        }
+        return {**effort, **(self.chat_template_kwargs or {})}
 
     def to_structured_outputs(
         self, implied: dict[str, dict[str, Any]] | None = None

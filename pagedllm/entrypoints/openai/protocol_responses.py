@@ -6,7 +6,10 @@ and its translation into the chat request the engine runs (`to_chat_request`).
 `function_call_output` items (an assistant message with `tool_calls` and a `tool` message).
 `instructions` become a system message first. Fields of OpenAI's API that need state or
 features pagedllm does not have (`previous_response_id`, `store`, `background`,
-`conversation`, `reasoning`, ...) are a 400 naming the field when set.
+`conversation`, `include`, ...) are a 400 naming the field when set, and so is a field no
+Responses API defines; vLLM's sampling extras (`CHAT_EXTRAS`) pass to the chat request.
+`reasoning.effort` becomes the chat request's `reasoning_effort`; a reasoning summary is
+refused (the reasoning item carries the whole reasoning text).
 """
 
 from __future__ import annotations
@@ -23,13 +26,20 @@ UNSUPPORTED = {
     "conversation": None,
     "store": False,
     "background": False,
-    "reasoning": None,
     "include": None,
     "prompt": None,
     "max_tool_calls": None,
     "top_logprobs": None,
     "truncation": "disabled",
 }
+
+# vLLM's sampling and template extras of its Responses request: they go to the chat request
+# as they are, which checks them as its own.
+CHAT_EXTRAS = (
+    "min_p", "stop", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "logit_bias", "skip_special_tokens", "include_stop_str_in_output",
+    "include_reasoning", "cache_salt", "chat_template_kwargs", "structured_outputs",
+)  # fmt: skip
 
 
 class ResponsesFunctionTool(BaseModel):
@@ -58,8 +68,10 @@ class ResponsesRequest(BaseModel):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = True
     text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    prompt_cache_key: str | None = None
     # vLLM's extras.
     top_k: int | None = None
     seed: int | None = None
@@ -67,7 +79,13 @@ class ResponsesRequest(BaseModel):
     priority: int = 0
 
     def check_supported(self) -> None:
-        """ValueError naming the first field set that pagedllm cannot honour."""
+        """ValueError naming the first field set that pagedllm cannot honour, or the first
+        field that no Responses API defines."""
+        for name in (self.model_extra or {}).keys() - UNSUPPORTED.keys() - set(CHAT_EXTRAS):
+            raise ValueError(
+                f"unknown field {name!r}: pagedllm's Responses API accepts the fields it "
+                "honours, and no others"
+            )
         for name, off in UNSUPPORTED.items():
             value = getattr(self, name, off)
             if value != off and not (name == "include" and value == []):
@@ -88,11 +106,14 @@ class ResponsesRequest(BaseModel):
             "stream": self.stream,
             "parallel_tool_calls": self.parallel_tool_calls,
             "user": self.user,
+            "prompt_cache_key": self.prompt_cache_key,
             "top_k": self.top_k,
             "seed": self.seed,
             "request_id": self.request_id,
             "priority": self.priority,
+            "reasoning_effort": _reasoning_effort(self.reasoning),
         }
+        chat.update((k, v) for k, v in (self.model_extra or {}).items() if k in CHAT_EXTRAS)
         if self.tools:
             chat["tools"] = [
                 {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
@@ -103,6 +124,19 @@ class ResponsesRequest(BaseModel):
         if self.text and self.text.get("format"):
             chat["response_format"] = _chat_response_format(self.text["format"])
         return ChatCompletionRequest.model_validate(chat)
+
+
+def _reasoning_effort(reasoning: dict[str, Any] | None) -> Any:
+    """`reasoning.effort` (None when absent); ValueError for anything else asked of it."""
+    if not reasoning:
+        return None
+    for key, value in reasoning.items():
+        if key != "effort" and value is not None:
+            raise ValueError(
+                f"reasoning.{key}={value!r} is not supported by pagedllm's Responses API "
+                "(only reasoning.effort; the reasoning item carries the whole reasoning text)"
+            )
+    return reasoning.get("effort")
 
 
 def _chat_tool_choice(choice: str | dict[str, Any]) -> Any:

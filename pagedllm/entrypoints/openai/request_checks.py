@@ -28,13 +28,15 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "metadata": ({},),
     "service_tier": ("auto", "default"),
     "verbosity": (),
-    "prompt_cache_key": (),
     "prompt_embeds": (),
     "mm_processor_kwargs": ({},),
     "logits_processors": ([],),
     "vllm_xargs": ({},),
     "kv_transfer_params": (),
 }
+
+# OpenAI's deprecated fields with the ones that replaced them (and that pagedllm takes).
+_REPLACED = {"functions": "tools", "function_call": "tool_choice"}
 
 # Request fields that only shape sampling: they have no meaning for a beam search.
 _SAMPLING_ONLY = (
@@ -50,6 +52,12 @@ def check_fields(request: BaseModel) -> None:
     """400 (OpenAIError naming the field) for a field pagedllm would not honour (module
     docstring); returns None when every field acts."""
     for name, value in (request.model_extra or {}).items():
+        if name in _REPLACED:
+            raise OpenAIError(
+                f"{name} is deprecated by OpenAI and not supported by pagedllm: pass "
+                f"{_REPLACED[name]} instead",
+                param=name,
+            )
         if name not in _UNSUPPORTED:
             raise OpenAIError(
                 f"unknown field {name!r}: pagedllm accepts the OpenAI and vLLM request fields "

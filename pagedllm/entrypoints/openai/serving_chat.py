@@ -98,7 +98,7 @@ class OpenAIServingChat(OpenAIServing):
         """One output splitter per choice (reasoning, content, tool calls)."""
         reasoning = None
         if self.reasoning_parser_cls is not None:
-            kwargs = self.template_kwargs(request.chat_template_kwargs)
+            kwargs = self.template_kwargs(request.template_kwargs())
             reasoning = self.reasoning_parser_cls(self.tokenizer, kwargs)
         max_calls = 1 if request.parallel_tool_calls is False else None
         return [
@@ -155,7 +155,7 @@ class OpenAIServingChat(OpenAIServing):
             request.add_generation_prompt,
             request.continue_final_message,
             request.chat_template,
-            request.chat_template_kwargs,
+            request.template_kwargs(),
             request.tools,
             request.documents,
         )

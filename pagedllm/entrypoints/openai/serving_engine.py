@@ -149,13 +149,16 @@ class OpenAIServing:
 
     def engine_prompt(self, text: str | None, ids: list[int], request: Any) -> dict[str, Any]:
         """The engine's prompt dict: token ids (the last `truncate_prompt_tokens` of them when
-        set, vLLM's left truncation), the text, and the request's `cache_salt`."""
+        set, vLLM's left truncation), the text, and the request's `cache_salt` and
+        `prompt_cache_key`."""
         limit = getattr(request, "truncate_prompt_tokens", None)
         if limit is not None and len(ids) > limit:
             ids, text = ids[-limit:], None
         prompt: dict[str, Any] = {"prompt_token_ids": ids, "prompt": text}
         if getattr(request, "cache_salt", None) is not None:
             prompt["cache_salt"] = request.cache_salt
+        if getattr(request, "prompt_cache_key", None) is not None:
+            prompt["prompt_cache_key"] = request.prompt_cache_key
         return prompt
 
     def validate(

@@ -108,7 +108,7 @@ def _base_response(request: ResponsesRequest, response_id: str, model: str) -> d
         "truncation": "disabled",
         "store": False,
         "previous_response_id": None,
-        "reasoning": None,
+        "reasoning": request.reasoning,
         "user": request.user,
         "usage": None,
     }
