@@ -73,14 +73,20 @@ class RemoteServer:
     is idempotent; use as a context manager so the process never outlives its test."""
 
     def __init__(
-        self, model: str, args: list[str], timeout: float = 240.0, own_group: bool = False
+        self,
+        model: str,
+        args: list[str],
+        timeout: float = 240.0,
+        own_group: bool = False,
+        env: dict[str, str] | None = None,
     ) -> None:
         """`own_group`: the server leads its own process group with Ctrl-C's default action,
-        as a terminal's foreground job (then `os.killpg(proc.pid, SIGINT)` is a Ctrl-C)."""
+        as a terminal's foreground job (then `os.killpg(proc.pid, SIGINT)` is a Ctrl-C).
+        `env`: variables set for the server on top of this process's."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="pagedllm-serve-", suffix=".log")
-        env = dict(os.environ)
+        env = {**os.environ, **(env or {})}
         env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
         env.setdefault("PAGEDLLM_LOG_STATS_INTERVAL", "2")
         cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli.main", "serve", model]

@@ -116,3 +116,16 @@ def test_kv_cache_dtype_other_than_the_models_is_refused_by_name(tiny_llama_dir,
         ).create_engine_config()
         assert str(config.model_config.dtype) == "torch.float32"
     assert _parser().parse_args(["--kv-cache-dtype", "auto"]).kv_cache_dtype == "auto"
+
+
+def test_log_output_flags_are_checked():
+    from pagedllm.entrypoints.openai.serving_engine import ServingOptions
+
+    args = _parser().parse_args(["--enable-log-outputs", "--max-log-len", "0"])
+    with pytest.raises(ValueError, match="--enable-log-outputs needs --enable-log-requests"):
+        ServingOptions.from_args(args)
+    args = _parser().parse_args(["--enable-log-outputs", "--enable-log-requests"])
+    assert ServingOptions.from_args(args).enable_log_outputs
+    for bad in ("-1", "many"):
+        with pytest.raises(SystemExit):
+            _parser().parse_args(["--max-log-len", bad])

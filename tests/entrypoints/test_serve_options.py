@@ -1,11 +1,16 @@
 """vLLM's server-wide `serve` flags, against one live server that sets them all, and one
 that sets none for the defaults: --response-role, --default-chat-template-kwargs,
 --return-tokens-as-token-ids, --enable-force-include-usage, --enable-request-id-headers,
---disable-fastapi-docs, --disable-uvicorn-access-log."""
+--disable-fastapi-docs, --disable-uvicorn-access-log, --trust-request-chat-template,
+--exclude-tools-when-tool-choice-none, --enable-log-outputs and --max-log-len."""
 
 from __future__ import annotations
 
+import ast
 import json
+import re
+import tempfile
+from pathlib import Path
 
 import httpx
 import pytest
@@ -23,14 +28,20 @@ OPTIONS = [
     "--enable-request-id-headers",
     "--disable-fastapi-docs",
     "--disable-uvicorn-access-log",
+    "--trust-request-chat-template",
+    "--exclude-tools-when-tool-choice-none",
+    "--enable-log-requests", "--enable-log-outputs", "--max-log-len", "5",
 ]  # fmt: skip
+TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
 MESSAGES = [{"role": "user", "content": "Say something."}]
 
 
 @pytest.fixture(scope="module")
 def servers(tiny_llama_dir):
     with (
-        RemoteServer(tiny_llama_dir, COMMON + OPTIONS) as set_,
+        RemoteServer(
+            tiny_llama_dir, COMMON + OPTIONS, env={"PAGEDLLM_LOGGING_LEVEL": "DEBUG"}
+        ) as set_,
         RemoteServer(tiny_llama_dir, COMMON) as plain,
     ):
         yield set_, plain
@@ -126,3 +137,93 @@ def test_docs_off_and_access_log_off(servers):
     httpx.get(f"{plain.url}/v1/models")
     assert '"GET /v1/models HTTP/1.1" 200' in plain.logs()
     assert '"GET /v1/models HTTP/1.1"' not in set_.logs()
+
+
+def test_a_requests_chat_template_needs_trust(servers):
+    set_, plain = servers
+    template = "{{ 'Hello' }}"
+    for extra in (
+        {"chat_template": template},
+        {"chat_template_kwargs": {"chat_template": template}},
+    ):
+        r = _chat(plain.url, **extra)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+    r = httpx.post(f"{plain.url}/tokenize", json={"messages": MESSAGES, "chat_template": template})
+    assert r.status_code == 400 and "--trust-request-chat-template" in r.text
+    trusted = httpx.post(
+        f"{set_.url}/tokenize", json={"messages": MESSAGES, "chat_template": template}
+    )
+    assert trusted.status_code == 200, trusted.text
+    hello = httpx.post(
+        f"{set_.url}/tokenize", json={"prompt": "Hello", "add_special_tokens": False}
+    ).json()["tokens"]
+    assert trusted.json()["tokens"] == hello  # the request's template, not the model's
+    assert _chat(set_.url, chat_template=template).json()["usage"]["prompt_tokens"] == len(hello)
+
+
+def test_tools_left_out_of_the_prompt_for_tool_choice_none(servers):
+    set_, plain = servers
+
+    def prompt_tokens(url: str, **extra) -> int:
+        return _chat(url, **extra).json()["usage"]["prompt_tokens"]
+
+    bare = prompt_tokens(plain.url)
+    assert prompt_tokens(plain.url, tools=TOOLS, tool_choice="none") > bare
+    bare = prompt_tokens(set_.url)  # (its default kwargs render a closed think block)
+    assert prompt_tokens(set_.url, tools=TOOLS, tool_choice="none") == bare
+    assert prompt_tokens(set_.url, tools=TOOLS, tool_choice="required") > bare
+
+
+def test_log_outputs_cut_to_max_log_len(servers):
+    set_, plain = servers
+    reply = _chat(set_.url, max_tokens=8).json()
+    streamed = _stream_events(
+        set_.url, "/v1/completions",
+        {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "stream": True},
+    )  # fmt: skip
+    text = "".join(e["choices"][0]["text"] for e in streamed if e["choices"])
+    logs = Path(set_.log.name).read_text(errors="replace")
+
+    def logged(pattern: str) -> re.Match:
+        match = re.search(pattern, logs, re.MULTILINE)
+        assert match, pattern
+        return match
+
+    for request_id, full in (
+        (reply["id"], reply["choices"][0]["message"]["content"]),
+        (streamed[0]["id"] + "-0", text),
+    ):  # fmt: skip (prompt 0)
+        rid = re.escape(request_id)
+        output = logged(
+            rf"Generated response {rid} \(choice 0\): output: (.*), finish_reason: length$"
+        )
+        assert ast.literal_eval(output.group(1)) == full[:5], output.group(0)
+        ids = logged(rf"Generated response {rid} \(choice 0\) details: output_token_ids: \[(.*)\]$")
+        assert len(ids.group(1).split(",")) == 5, ids.group(0)
+    details = logged(
+        rf"Request {re.escape(streamed[0]['id'])}-0 details: prompt: (.*), prompt_token_ids"
+    )
+    assert ast.literal_eval(details.group(1)) == "Once ", details.group(0)
+    assert "Generated response" not in Path(plain.log.name).read_text(errors="replace")
+
+
+def test_the_servers_chat_template_renders_every_chat_endpoint(tiny_llama_dir):
+    """--chat-template (a file) is what chat completions, the Responses API and /tokenize
+    render with; a request's own template is still refused without trust."""
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    with tempfile.NamedTemporaryFile("w", suffix=".jinja") as f:
+        f.write(template)
+        f.flush()
+        with RemoteServer(tiny_llama_dir, COMMON + ["--chat-template", f.name]) as server:
+            url = server.url
+            expected = httpx.post(
+                f"{url}/tokenize",
+                json={"prompt": "[user] Say something.\n", "add_special_tokens": False},
+            ).json()["tokens"]
+            rendered = httpx.post(f"{url}/tokenize", json={"messages": MESSAGES}).json()
+            assert rendered["tokens"] == expected
+            assert _chat(url).json()["usage"]["prompt_tokens"] == len(expected)
+            body = {"model": MODEL, "input": "Say something.", "max_output_tokens": 2}
+            usage = httpx.post(f"{url}/v1/responses", json=body, timeout=60).json()["usage"]
+            assert usage["input_tokens"] == len(expected)
+            assert _chat(url, chat_template=template).status_code == 400

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 # Verb modules, in help order. A module that is missing (a feature not built) is skipped.
@@ -53,7 +54,7 @@ def _expand_config(parser: argparse.ArgumentParser, argv: list[str]) -> list[str
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
-        level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s"
+        level=os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s"
     )
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)

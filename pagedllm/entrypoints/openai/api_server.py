@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import hmac
 import logging
+import os
 import socket
 import sys
 import uuid
@@ -39,7 +40,6 @@ from pagedllm.engine.utils import ClientConfig
 from pagedllm.entrypoints.dashboard import Dashboard, register_dashboard_routes
 from pagedllm.entrypoints.openai.cli_args import (
     expand_config_file,
-    load_chat_template,
     log_requests_enabled,
     make_arg_parser,
 )
@@ -245,8 +245,6 @@ def _register_routes(app: FastAPI) -> None:
     @app.post("/v1/chat/completions")
     async def chat(request: ChatCompletionRequest, raw_request: Request) -> Response:
         handler: OpenAIServingChat = raw_request.app.state.serving_chat
-        if request.chat_template is None:
-            request.chat_template = raw_request.app.state.chat_template
         coro = handler.create_chat_completion(request, raw_request.headers.get("X-Request-Id"))
         return _respond(await with_cancellation(coro, raw_request))
 
@@ -261,8 +259,6 @@ def _register_routes(app: FastAPI) -> None:
         request: TokenizeChatRequest | TokenizeCompletionRequest, raw_request: Request
     ) -> JSONResponse:
         handler: OpenAIServingTokenization = raw_request.app.state.serving_tokenization
-        if isinstance(request, TokenizeChatRequest) and request.chat_template is None:
-            request.chat_template = raw_request.app.state.chat_template
         return JSONResponse((await handler.create_tokenize(request)).model_dump())
 
     @app.post("/detokenize")
@@ -275,7 +271,7 @@ def _register_tokenizer_info_route(app: FastAPI) -> None:
     @app.get("/tokenizer_info")
     async def tokenizer_info(raw_request: Request) -> JSONResponse:
         handler: OpenAIServingTokenization = raw_request.app.state.serving_tokenization
-        return JSONResponse(handler.tokenizer_info(raw_request.app.state.chat_template))
+        return JSONResponse(handler.tokenizer_info(handler.options.chat_template))
 
 
 def init_app_state(app: FastAPI, engine: AsyncLLM, args: argparse.Namespace) -> None:
@@ -287,7 +283,6 @@ def init_app_state(app: FastAPI, engine: AsyncLLM, args: argparse.Namespace) -> 
     state.served_model_names = names
     state.model_path = mc.model
     state.max_model_len = mc.max_model_len
-    state.chat_template = load_chat_template(getattr(args, "chat_template", None))
     limits = ServerLimits.from_args(args).for_model(engine.tokenizer, mc.max_model_len)
     logger.info(
         "Request limits: body %d bytes, prompt %d characters, n <= %d",
@@ -306,7 +301,7 @@ def init_app_state(app: FastAPI, engine: AsyncLLM, args: argparse.Namespace) -> 
         reasoning_parser=engine.config.structured_outputs_config.reasoning_parser,
         options=options,
     )
-    state.serving_responses = OpenAIServingResponses(state.serving_chat, state.chat_template)
+    state.serving_responses = OpenAIServingResponses(state.serving_chat)
     state.serving_tokenization = OpenAIServingTokenization(engine, names, limits, options=options)
 
 
@@ -466,7 +461,7 @@ def checked_engine_config(args: argparse.Namespace) -> Any:
     from pagedllm.reasoning import ReasoningParserManager
 
     config = EngineArgs.from_cli_args(args).create_engine_config()
-    load_chat_template(getattr(args, "chat_template", None))
+    ServingOptions.from_args(args)
     reasoning_parser = config.structured_outputs_config.reasoning_parser
     if reasoning_parser:
         ReasoningParserManager.get_reasoning_parser(reasoning_parser)
@@ -518,7 +513,7 @@ def run_server(
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
-        level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s"
+        level=os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s"
     )
     parser = argparse.ArgumentParser(description="pagedllm OpenAI-compatible server")
     parser.add_argument("--model", required=True, help="Local checkpoint directory.")

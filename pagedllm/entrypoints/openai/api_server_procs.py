@@ -150,7 +150,7 @@ def run_api_server_worker(
     from pagedllm.entrypoints.openai.api_server import run_server
 
     logging.basicConfig(
-        level=logging.INFO,
+        level=os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").upper(),
         format=f"%(levelname)s %(asctime)s [APIServer_{client_config.client_index} "
         "pid=%(process)d] %(name)s: %(message)s",
     )

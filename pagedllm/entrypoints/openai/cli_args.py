@@ -53,8 +53,22 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--enable-log-requests",
         action="store_true",
-        help="Log each request as it arrives (id, user, sampling parameters, prompt length) "
-        "and as it finishes or is aborted.",
+        help="Log each request as it arrives (id, user, sampling parameters, prompt length; "
+        "the prompt itself at DEBUG, PAGEDLLM_LOGGING_LEVEL=DEBUG) and as it finishes or is "
+        "aborted.",
+    )
+    group.add_argument(
+        "--enable-log-outputs",
+        action="store_true",
+        help="With --enable-log-requests: log each finished choice's text (its token ids at "
+        "DEBUG).",
+    )
+    group.add_argument(
+        "--max-log-len",
+        type=_non_negative_int,
+        default=None,
+        help="Log at most this many characters or token ids of a prompt or output "
+        "(default: all).",
     )
     group.add_argument(
         "--disable-log-requests",
@@ -74,6 +88,16 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=str,
         default=None,
         help="A Jinja chat template, or a file holding one (default: the tokenizer's).",
+    )
+    group.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="Accept a chat_template sent with a request (refused by default, as vLLM's).",
+    )
+    group.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help='Leave a request\'s tools out of the prompt when its tool_choice is "none".',
     )
     group.add_argument(
         "--enable-auto-tool-choice",
@@ -205,6 +229,16 @@ def add_limit_args(group: argparse._ArgumentGroup) -> None:
         f"in-flight requests and exiting with status 1 for a supervisor to restart the "
         f"server (default: ${KEEP_ALIVE_ENV}, else off).",
     )
+
+
+def _non_negative_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a non-negative integer")
+    return number
 
 
 def load_chat_template(value: str | None) -> str | None:

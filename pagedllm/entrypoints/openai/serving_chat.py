@@ -131,14 +131,23 @@ class OpenAIServingChat(OpenAIServing):
         tools: list[Any] | None = None,
         documents: list[dict[str, str]] | None = None,
     ) -> str:
-        """The prompt text of a conversation; 400 for malformed messages or no template."""
+        """The prompt text of a conversation, through the request's `chat_template` (only
+        with --trust-request-chat-template: a 400 otherwise, as vLLM's) or the server's; 400
+        for malformed messages or no template."""
+        asked = chat_template is not None or (chat_template_kwargs or {}).get("chat_template")
+        if asked and not self.options.trust_request_chat_template:
+            raise OpenAIError(
+                "chat_template is passed with the request, but the server runs without "
+                "--trust-request-chat-template: refused",
+                param="chat_template",
+            )
         try:
             return render_chat(
                 self.tokenizer,
                 messages,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
-                chat_template=chat_template,
+                chat_template=chat_template or self.options.chat_template,
                 chat_template_kwargs=self.template_kwargs(chat_template_kwargs),
                 tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None,
                 documents=documents,
@@ -150,13 +159,16 @@ class OpenAIServingChat(OpenAIServing):
         """Blocking (run on the tokenizer thread): the engine prompt, rendered and tokenized
         within the limits, and the request's tool parser."""
         tool_parser = self.request_tool_parser(request)
+        tools = request.tools
+        if request.tool_choice == "none" and self.options.exclude_tools_when_tool_choice_none:
+            tools = None
         prompt_text = self.render_messages(
             request.messages,
             request.add_generation_prompt,
             request.continue_final_message,
             request.chat_template,
             request.template_kwargs(),
-            request.tools,
+            tools,
             request.documents,
         )
         ids = self.tokenize_text(prompt_text, request.add_special_tokens, "messages")

@@ -30,7 +30,7 @@ from pagedllm.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from pagedllm.outputs import Logprob, RequestOutput
-from pagedllm.sampling_params import BeamSearchParams
+from pagedllm.sampling_params import BeamSearchParams, RequestOutputKind
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +46,21 @@ class ServingOptions:
     return_tokens_as_token_ids: bool = False
     response_role: str = "assistant"
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    chat_template: str | None = None  # --chat-template, loaded
+    trust_request_chat_template: bool = False
+    exclude_tools_when_tool_choice_none: bool = False
+    max_log_len: int | None = None
+    enable_log_outputs: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServingOptions:
+        """ValueError for a bad --chat-template or an --enable-log-outputs without
+        --enable-log-requests."""
+        from pagedllm.entrypoints.openai.cli_args import load_chat_template, log_requests_enabled
+
+        log_outputs = bool(getattr(args, "enable_log_outputs", False))
+        if log_outputs and not log_requests_enabled(args):
+            raise ValueError("--enable-log-outputs needs --enable-log-requests")
         return cls(
             enable_prompt_tokens_details=bool(getattr(args, "enable_prompt_tokens_details", 0)),
             enable_force_include_usage=bool(getattr(args, "enable_force_include_usage", 0)),
@@ -56,6 +68,13 @@ class ServingOptions:
             response_role=getattr(args, "response_role", None) or "assistant",
             # A JSON object (argparse's json_object_arg), or absent.
             default_chat_template_kwargs=getattr(args, "default_chat_template_kwargs", None) or {},
+            chat_template=load_chat_template(getattr(args, "chat_template", None)),
+            trust_request_chat_template=bool(getattr(args, "trust_request_chat_template", 0)),
+            exclude_tools_when_tool_choice_none=bool(
+                getattr(args, "exclude_tools_when_tool_choice_none", 0)
+            ),
+            max_log_len=getattr(args, "max_log_len", None),
+            enable_log_outputs=log_outputs,
         )
 
 
@@ -196,11 +215,22 @@ class OpenAIServing:
                 getattr(request, "user", None) or getattr(request, "safety_identifier", None),
                 params,
             )
+            if logger.isEnabledFor(logging.DEBUG):  # vLLM's: the prompt itself only at DEBUG
+                limit = self.options.max_log_len
+                logger.debug(
+                    "Request %s details: prompt: %r, prompt_token_ids: %s",
+                    request_id,
+                    _clipped(prompt.get("prompt"), limit),
+                    _clipped(prompt["prompt_token_ids"], limit),
+                )
         outputs = self.engine.generate(
             prompt, params, request_id, priority=request.priority, processed=processed
         )
         if isinstance(params, BeamSearchParams):
-            return _best_beams(outputs, request.n)
+            outputs = _best_beams(outputs, request.n)
+        if self.options.enable_log_outputs:
+            delta = getattr(params, "output_kind", None) == RequestOutputKind.DELTA
+            outputs = _logged_outputs(request_id, outputs, delta, self.options.max_log_len)
         return outputs
 
     # ------------------------------------------------------------------------- logprobs
@@ -329,6 +359,47 @@ async def final_output(generator: AsyncGenerator[Any, None]) -> Any:
         raise OpenAIError.from_exception(e) from e
     assert final is not None
     return final
+
+
+def _clipped(seq: Any, limit: int | None) -> Any:
+    """`seq` cut to its first `limit` items (characters or token ids), as --max-log-len asks."""
+    return seq if seq is None or limit is None else seq[:limit]
+
+
+async def _logged_outputs(
+    request_id: str,
+    outputs: AsyncGenerator[RequestOutput, None],
+    delta: bool,
+    limit: int | None,
+) -> AsyncGenerator[RequestOutput, None]:
+    """`outputs` unchanged; once finished, each choice's text (INFO) and token ids (DEBUG)
+    logged, cut to --max-log-len (--enable-log-outputs)."""
+    texts: dict[int, list[str]] = {}
+    ids: dict[int, list[int]] = {}
+    reasons: dict[int, str | None] = {}
+    try:
+        async for out in outputs:
+            for c in out.outputs:
+                if delta:
+                    texts.setdefault(c.index, []).append(c.text)
+                    ids.setdefault(c.index, []).extend(c.token_ids)
+                else:
+                    texts[c.index], ids[c.index] = [c.text], c.token_ids
+                reasons[c.index] = c.finish_reason or reasons.get(c.index)
+            if out.finished:
+                for index in sorted(texts):
+                    text = "".join(texts[index])
+                    logger.info(
+                        "Generated response %s (choice %d): output: %r, finish_reason: %s",
+                        request_id, index, _clipped(text, limit), reasons.get(index),
+                    )  # fmt: skip
+                    logger.debug(
+                        "Generated response %s (choice %d) details: output_token_ids: %s",
+                        request_id, index, _clipped(list(ids[index]), limit),
+                    )  # fmt: skip
+            yield out
+    finally:
+        await outputs.aclose()
 
 
 async def _best_beams(

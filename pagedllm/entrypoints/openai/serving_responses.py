@@ -34,9 +34,8 @@ class OpenAIServingResponses:
     `create_response` returns the response object (a dict in OpenAI's shape) or, for
     `stream=true`, an async generator of SSE strings."""
 
-    def __init__(self, chat: OpenAIServingChat, chat_template: str | None = None) -> None:
+    def __init__(self, chat: OpenAIServingChat) -> None:
         self.chat = chat
-        self.chat_template = chat_template  # the server's --chat-template
 
     async def create_response(
         self, request: ResponsesRequest, request_id: str | None = None
@@ -44,7 +43,6 @@ class OpenAIServingResponses:
         self.chat.check_request(request.model)
         try:
             chat_request = request.to_chat_request()
-            chat_request.chat_template = self.chat_template
         except ValueError as e:
             raise OpenAIError(str(e)) from e
         response_id = f"resp_{request.request_id or request_id or random_uuid()}"

@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 
 from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.entrypoints.openai.cli_args import make_arg_parser
+from pagedllm.entrypoints.openai.serving_engine import ServingOptions
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 EXPOSITION = b"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0.0\n"
@@ -32,8 +33,8 @@ def _client(flags: list[str] = (), tokenizer=None, chat_template: str | None = N
     )
     handler = OpenAIServingTokenization.__new__(OpenAIServingTokenization)
     handler.tokenizer = tokenizer
+    handler.options = ServingOptions(chat_template=chat_template)
     app.state.serving_tokenization = handler
-    app.state.chat_template = chat_template
     return TestClient(app)
 
 
