@@ -110,6 +110,8 @@ class ModelConfig:
     # The names the server accepts as `model`; the first is the one it reports.
     served_model_name: str | list[str] | None = None
     trust_remote_code: bool = False
+    # How the tokenizer is loaded (transformers_utils/tokenizer.py: TOKENIZER_MODES).
+    tokenizer_mode: str = "auto"
     # Most logprobs a request may ask for (logprobs / prompt_logprobs); -1: no limit.
     max_logprobs: int = 20
     # From generation_config.json: default EOS ids and sampling defaults.
@@ -233,6 +235,26 @@ class SchedulerConfig:
         if self.long_prefill_token_threshold < 0:
             raise ValueError(
                 f"long_prefill_token_threshold={self.long_prefill_token_threshold} must be >= 0"
+            )
+
+
+# load_format values (vLLM's names; models/loader.py reads them).
+LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
+
+
+@dataclass
+class LoadConfig:
+    """How the model's weights are read (vLLM's `--load-format`): "auto" (the checkpoint's
+    *.safetensors, else its PyTorch *.bin / *.pt files), "safetensors" or "pt" (only those),
+    "dummy" (no weight file is read: small random values seeded by `ModelConfig.seed`)."""
+
+    load_format: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(
+                f"load_format={self.load_format!r} is not supported; choose one of "
+                f"{list(LOAD_FORMATS)}"
             )
 
 
@@ -546,6 +568,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig
     device_config: DeviceConfig
+    load_config: LoadConfig = field(default_factory=LoadConfig)
     enforce_eager: bool = False
     attention_backend: str | None = None  # None: the device's default (attention/selector.py)
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -20,6 +21,7 @@ from pagedllm.config import (
     DeviceConfig,
     EngineConfig,
     KVTransferConfig,
+    LoadConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -41,8 +43,11 @@ class EngineArgs:
 
     model: str = ""
     tokenizer: str | None = None
+    tokenizer_mode: str = "auto"
     served_model_name: str | list[str] | None = None
     trust_remote_code: bool = False
+    hf_overrides: dict[str, Any] | Callable[[Any], Any] | None = None
+    load_format: str = "auto"
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] | None = None
     max_logprobs: int = 20
@@ -113,12 +118,19 @@ class EngineArgs:
             get_generation_config,
             get_hf_config,
         )
+        from pagedllm.transformers_utils.tokenizer import check_tokenizer_mode
 
         if not self.model:
             raise ValueError("model must be a local checkpoint directory, got an empty value")
         device_config = DeviceConfig(self.device)
+        load_config = LoadConfig(self.load_format)
+        check_tokenizer_mode(self.tokenizer_mode)
         model_dir, tokenizer = _checkpoint_dirs(self.model, self.tokenizer)
-        hf_config = get_hf_config(model_dir, trust_remote_code=self.trust_remote_code)
+        hf_config = get_hf_config(
+            model_dir,
+            trust_remote_code=self.trust_remote_code,
+            hf_overrides=_check_hf_overrides(self.hf_overrides),
+        )
         max_model_len = self._resolve_max_model_len(hf_config)
         generation_config = self._generation_config(get_generation_config, model_dir)
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
@@ -139,8 +151,11 @@ class EngineArgs:
             served_model_name=self.served_model_name
             or (None if model_dir == self.model else self.model),
             trust_remote_code=self.trust_remote_code,
+            tokenizer_mode=self.tokenizer_mode,
             max_logprobs=self.max_logprobs,
-            eos_token_ids=get_eos_token_ids(model_dir, hf_config, generation_config),
+            eos_token_ids=get_eos_token_ids(
+                model_dir, hf_config, generation_config, tokenizer_mode=self.tokenizer_mode
+            ),
             generation_config=generation_config,
         )
         _check_kv_cache_dtype(self.kv_cache_dtype, model_config.dtype)
@@ -184,6 +199,7 @@ class EngineArgs:
             extra["speculative_config"] = SpeculativeConfig.from_dict(
                 self.speculative_config, model_config
             )
+            _check_load_format_compatible(load_config, extra["speculative_config"])
         if self.attention_backend is not None:
             from pagedllm.attention.selector import check_attention_backend_name
 
@@ -210,6 +226,7 @@ class EngineArgs:
             scheduler_config=scheduler_config,
             parallel_config=parallel_config,
             device_config=device_config,
+            load_config=load_config,
             enforce_eager=self.enforce_eager,
             attention_backend=self.attention_backend,
             compilation_config=compilation_config,
@@ -304,7 +321,7 @@ class EngineArgs:
                 )
             elif f.name == "quantization":
                 group.add_argument(*flags, "-q", choices=["int8"], default=None, help=help_text)
-            elif f.name == "override_generation_config":
+            elif f.name in ("override_generation_config", "hf_overrides"):
                 group.add_argument(*flags, type=json_object_arg, default=None, help=help_text)
             elif f.name in ("speculative_config", "kv_transfer_config", "compilation_config"):
                 group.add_argument(*flags, type=json.loads, default=None, help=help_text)
@@ -338,6 +355,31 @@ def _check_kv_cache_dtype(kv_cache_dtype: str, model_dtype: Any) -> None:
         raise ValueError(
             f"kv_cache_dtype={kv_cache_dtype!r} is not supported: pagedllm keeps the KV cache "
             f"in the model's dtype ({model_name}); pass 'auto'"
+        )
+
+
+def _check_hf_overrides(overrides: Any) -> Any:
+    """vLLM's hf_overrides: a dict (its keys config attributes) or a callable taking and
+    returning the config; None or {} for none."""
+    if overrides is None or callable(overrides):
+        return overrides
+    if not isinstance(overrides, dict) or not all(isinstance(k, str) for k in overrides):
+        raise ValueError(
+            f"hf_overrides={overrides!r} must be a dict of config attributes (e.g. "
+            '{"max_position_embeddings": 4096}) or a callable that updates the config'
+        )
+    return overrides
+
+
+def _check_load_format_compatible(load: LoadConfig, speculative_config: Any) -> None:
+    """An EAGLE or Medusa head's layout is read from its checkpoint's tensor names, which
+    dummy weights have none of."""
+    method = getattr(speculative_config, "method", None)
+    if load.load_format == "dummy" and method in ("eagle", "medusa"):
+        raise ValueError(
+            f"load_format='dummy' cannot be combined with speculative_config.method="
+            f"{method!r}: the head's layout is read from its checkpoint's tensor names; use "
+            "'ngram' or 'draft_model', or load real weights"
         )
 
 
@@ -436,6 +478,14 @@ _HELP = {
     "after which the engine counts as stalled (/health answers 503, the stall is logged with "
     "what was in flight); 0 turns stall detection off.",
     "tokenizer": "Tokenizer directory (default: the model directory).",
+    "tokenizer_mode": "auto or hf (the fast tokenizer where there is one), slow (transformers' "
+    "slow Python tokenizer; refused where the checkpoint or transformers has none).",
+    "hf_overrides": "A JSON object over the model's config.json, applied as it is read (before "
+    "max_model_len and the model's shapes derive from it), e.g. "
+    "'{\"max_position_embeddings\": 4096}'; an object value updates a sub-config or a dict "
+    "key by key.",
+    "load_format": "auto (*.safetensors, else PyTorch *.bin / *.pt), safetensors, pt (only "
+    "those files) or dummy (no weights read: small random values seeded by --seed).",
     "dtype": "auto, bfloat16, float16 or float32 (auto: bf16 on the CPU).",
     "quantization": "Quantization: int8 (W8A16: int8 weights with a scale per output channel, "
     "activations quantized per token to int16 at run time).",

@@ -98,7 +98,10 @@ class AsyncLLM:
 
         if tokenizer is None:
             tokenizer, self.engine_core = get_tokenizer_while(
-                start_engine, mc.tokenizer, trust_remote_code=mc.trust_remote_code
+                start_engine,
+                mc.tokenizer,
+                trust_remote_code=mc.trust_remote_code,
+                tokenizer_mode=mc.tokenizer_mode,
             )
         else:
             self.engine_core = start_engine()

@@ -39,6 +39,7 @@ class LLMEngine:
             mc.tokenizer,
             trust_remote_code=mc.trust_remote_code,
             overlap=not EngineCoreClient.runs_in_process(config, multiprocess_mode),
+            tokenizer_mode=mc.tokenizer_mode,
         )
         self.processor = Processor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)

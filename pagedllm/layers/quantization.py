@@ -112,6 +112,15 @@ def _int8_layer_(module: nn.Module, load_scale) -> None:
     module.weight = weight
 
 
+def set_int8_weight_(module: nn.Module, weight: torch.Tensor) -> None:
+    """Quantize `weight` (float, this rank's [N, K] exactly) into a module made int8 by
+    `quantize_model_`: its int8 `weight` and its `weight_scale` (dummy weights; a checkpoint
+    goes through the weight loaders, which cut this rank's slice out of a whole tensor)."""
+    q, scale = quantize_rows(weight)
+    module.weight.data.copy_(q)
+    module.weight_scale.copy_(scale)
+
+
 def quantize_model_(model: nn.Module, method: str | None) -> nn.Module:
     """Apply `method` to a built, not yet loaded model (in place); returns it."""
     from pagedllm.layers.linear import LinearBase

@@ -12,6 +12,7 @@ backend) tells each attention layer which request every row belongs to.
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -298,6 +299,15 @@ class LlamaModel(nn.Module):
         return hidden_states  # [T, hidden]
 
 
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _layer_index(name: str) -> int:
+    """The decoder layer a checkpoint tensor belongs to (-1: none)."""
+    match = _LAYER_NAME.match(name)
+    return int(match.group(1)) if match else -1
+
+
 class LlamaForCausalLM(nn.Module):
     """Llama decoder with an LM head; the template every supported architecture follows.
 
@@ -374,10 +384,13 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load (checkpoint name, tensor) pairs; returns the parameter names that received
-        data. Unknown checkpoint names raise, except RoPE buffers and a tied LM head."""
+        data. Unknown checkpoint names raise, except RoPE buffers, a tied LM head and decoder
+        layers past the model's last (a model cut short by `hf_overrides={"num_hidden_layers":
+        n}` leaves the checkpoint's later layers unread, as transformers does)."""
         params = dict(self.named_parameters())
         packed = {src: fused for fused, srcs in self.packed_modules_mapping.items() for src in srcs}
         other_stages = missing_prefixes(self)
+        num_layers = len(self.model.layers)
         # Tied, with the embedding on another pipeline stage: the head loads its tensor.
         embed_into_head = self.tie_word_embeddings and isinstance(self.lm_head, ParallelLMHead)
         loaded: set[str] = set()
@@ -389,7 +402,7 @@ class LlamaForCausalLM(nn.Module):
             if embed_into_head and name == "model.embed_tokens.weight":
                 self.lm_head.weight_loader(self.lm_head.weight, tensor)
                 loaded.add("lm_head.weight")
-            if name.startswith(other_stages):
+            if name.startswith(other_stages) or _layer_index(name) >= num_layers:
                 continue
             param_name, shard_id = name, None
             parts = name.split(".")

@@ -160,7 +160,8 @@ class EagleProposer(PagedModelProposer):
     def load_model(self, target_model: nn.Module) -> None:
         self.target = target_model
         model_dir = self.spec.model
-        names = {_canonical(n) for n in checkpoint_tensor_names(model_dir)}
+        load_format = self.config.load_config.load_format
+        names = {_canonical(n) for n in checkpoint_tensor_names(model_dir, load_format)}
         draft_config = replace(self.config, model_config=self.spec.draft_model_config, extra={})
         self.model = load_head(
             lambda: EagleLlamaForCausalLM(
@@ -173,6 +174,7 @@ class EagleProposer(PagedModelProposer):
             model_dir,
             self.dtype,
             self.device,
+            load_format,
         )
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:

@@ -119,6 +119,7 @@ class MedusaProposer(Proposer):
         self.spec = spec
         self.k = spec.num_speculative_tokens
         self.dtype = config.model_config.dtype
+        self.load_format = config.load_config.load_format
         self.device = device
         self.model: MedusaModel | None = None
 
@@ -136,7 +137,7 @@ class MedusaProposer(Proposer):
                 f"{truncated} (a token map) is not supported; the heads must cover the whole "
                 f"vocabulary of {hf.vocab_size}"
             )
-        names = checkpoint_tensor_names(self.spec.model)
+        names = checkpoint_tensor_names(self.spec.model, self.load_format)
         bias = bool(getattr(hf, "medusa_fc_bias", False)) or any(n.endswith(".bias") for n in names)
         own_heads = not bool(getattr(hf, "original_lm_head", False))
         self.model = load_head(
@@ -150,6 +151,7 @@ class MedusaProposer(Proposer):
             self.spec.model,
             self.dtype,
             self.device,
+            self.load_format,
         )
 
     def propose(self, batch: DraftBatch) -> Proposal:

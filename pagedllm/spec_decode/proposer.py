@@ -280,28 +280,34 @@ class DraftSampler:
 # ---- loading a head checkpoint --------------------------------------------------------------
 
 
-def checkpoint_tensor_names(model_dir: str) -> set[str]:
-    """Names of the tensors in a checkpoint directory, without reading the tensors."""
+def checkpoint_tensor_names(model_dir: str, load_format: str = "auto") -> set[str]:
+    """Names of the tensors in a checkpoint directory (the files `load_format` reads),
+    without reading the safetensors ones' tensors."""
     from pagedllm.models.loader import iterate_weights, list_weight_files
 
     names: set[str] = set()
-    for path in list_weight_files(model_dir):
+    for path in list_weight_files(model_dir, load_format):
         if path.suffix == ".safetensors":
             from safetensors import safe_open
 
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 names.update(f.keys())
         else:
-            names.update(name for name, _ in iterate_weights(path.parent))
+            names.update(name for name, _ in iterate_weights(path.parent, load_format))
             break
     return names
 
 
 def load_head(
-    build: Callable[[], nn.Module], model_dir: str, dtype: torch.dtype, device: torch.device
+    build: Callable[[], nn.Module],
+    model_dir: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
 ) -> nn.Module:
-    """A draft head (EAGLE, Medusa) built by `build` and loaded from `model_dir`
-    (`models.loader.load_module`)."""
+    """A draft head (EAGLE, Medusa) built by `build` and loaded from `model_dir`'s files of
+    `load_format` (`models.loader.load_module`)."""
     from pagedllm.models.loader import load_module
 
-    return load_module(build, model_dir, dtype, device, f"speculative_config.model={model_dir!r}")
+    source = f"speculative_config.model={model_dir!r}"
+    return load_module(build, model_dir, dtype, device, source, load_format=load_format)

@@ -68,4 +68,6 @@ def load_target_heads(config: EngineConfig, device: torch.device) -> TargetHeads
         model_config.dtype,
         device,
         f"checkpoint {model_config.model!r}",
+        load_format=config.load_config.load_format,
+        seed=model_config.seed,
     )

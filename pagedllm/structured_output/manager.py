@@ -109,7 +109,11 @@ class StructuredOutputManager:
             from pagedllm.transformers_utils.tokenizer import get_tokenizer
 
             mc = self.config.model_config
-            self._tokenizer = get_tokenizer(mc.tokenizer, trust_remote_code=mc.trust_remote_code)
+            self._tokenizer = get_tokenizer(
+                mc.tokenizer,
+                trust_remote_code=mc.trust_remote_code,
+                tokenizer_mode=mc.tokenizer_mode,
+            )
         return self._tokenizer
 
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,9 +28,30 @@ T = TypeVar("T")
 _GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
 _GENERIC_TOKENIZER_MODEL_TYPES = frozenset({"llama"})
 
+# vLLM's tokenizer_mode values that pagedllm serves: "auto" and "hf" (one thing here: there
+# is no mistral_common tokenizer to prefer) load the fast tokenizer where there is one,
+# "slow" asks transformers for the slow (Python) one, and insists on getting it.
+TOKENIZER_MODES = ("auto", "hf", "slow")
 
-def get_tokenizer(name: str, trust_remote_code: bool = False, **kwargs: Any) -> Any:
+
+def check_tokenizer_mode(mode: str) -> str:
+    """`mode`, validated: a ValueError naming it unless it is one of TOKENIZER_MODES."""
+    if mode not in TOKENIZER_MODES:
+        why = " (pagedllm has no mistral_common tokenizer)" if mode == "mistral" else ""
+        raise ValueError(
+            f"tokenizer_mode={mode!r} is not supported{why}; choose one of {list(TOKENIZER_MODES)}"
+        )
+    return mode
+
+
+def get_tokenizer(
+    name: str, trust_remote_code: bool = False, tokenizer_mode: str = "auto", **kwargs: Any
+) -> Any:
     """The transformers tokenizer stored in the local directory `name`.
+
+    `tokenizer_mode` (`TOKENIZER_MODES`): "slow" passes `use_fast=False` and refuses (a
+    ValueError naming the mode) a fast tokenizer in return: transformers 5 has no slow
+    variant of most tokenizers, and its AutoTokenizer ignores `use_fast`.
 
     Extra keyword arguments go to `AutoTokenizer.from_pretrained`. A checkpoint whose
     tokenizer AutoTokenizer would load as transformers' generic fast tokenizer loads it
@@ -38,6 +60,16 @@ def get_tokenizer(name: str, trust_remote_code: bool = False, **kwargs: Any) -> 
     BENCHMARKS.md).
     """
     path = resolve_local_dir(name, what="tokenizer")
+    if check_tokenizer_mode(tokenizer_mode) == "slow":
+        kwargs["use_fast"] = False
+        tokenizer = get_tokenizer(name, trust_remote_code, **kwargs)
+        if getattr(tokenizer, "is_fast", False):
+            raise ValueError(
+                f"tokenizer_mode='slow': {str(name)!r} has no slow (Python) tokenizer that "
+                f"this transformers loads; it gave the fast {type(tokenizer).__name__}. Use "
+                "tokenizer_mode='auto'"
+            )
+        return tokenizer
     direct = not kwargs  # extra arguments are AutoTokenizer's to read
     configs = None if trust_remote_code or "config" in kwargs else _read_configs(path)
     kwargs.setdefault("local_files_only", True)
@@ -106,7 +138,11 @@ def _light_model_config(path: Path, tok_config: dict[str, Any], raw: dict[str, A
 
 
 def get_tokenizer_while(
-    start: Callable[[], T], name: str, trust_remote_code: bool = False, overlap: bool = True
+    start: Callable[[], T],
+    name: str,
+    trust_remote_code: bool = False,
+    overlap: bool = True,
+    tokenizer_mode: str = "auto",
 ) -> tuple[Any, T]:
     """(the tokenizer of `name`, `start()`), the tokenizer loaded on a thread while `start`
     runs: starting an engine is mostly waiting for its process, and transformers' import and
@@ -114,18 +150,20 @@ def get_tokenizer_while(
     tokenizer fails to load, `start()`'s result is shut down (`.shutdown()`) before the error
     is raised. `overlap=False` loads it first, on this thread: for a `start` that imports
     transformers itself (an engine core built in this process), since two threads importing
-    transformers' lazy modules at once can see them half-initialised."""
+    transformers' lazy modules at once can see them half-initialised. `tokenizer_mode`: as
+    `get_tokenizer`'s."""
+    load_tokenizer = functools.partial(
+        get_tokenizer, name, trust_remote_code=trust_remote_code, tokenizer_mode=tokenizer_mode
+    )
     if not overlap:
-        tokenizer = get_tokenizer(name, trust_remote_code=trust_remote_code)
+        tokenizer = load_tokenizer()
         return tokenizer, start()
     with ThreadPoolExecutor(1, thread_name_prefix="TokenizerLoad") as pool:
         futures: list[Future] = []
 
         def load() -> None:
             if not futures:
-                futures.append(
-                    pool.submit(get_tokenizer, name, trust_remote_code=trust_remote_code)
-                )
+                futures.append(pool.submit(load_tokenizer))
 
         # The load's thread starts once the engine processes have (a fork must not copy it
         # mid-import), or after `start()` when it launched none.

@@ -118,13 +118,16 @@ def tensor_from_bytes(data: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> 
 
 def kv_cache_fingerprint(config: EngineConfig) -> str:
     """A short hex id of what KV blocks depend on besides their tokens: the model's config
-    and weights (sampled: size plus the first and last MiB of every weights file), the KV
-    dtype and the block size. The same in every process that loads the same checkpoint."""
+    and weights (sampled: size plus the first and last MiB of every weights file; dummy
+    weights: their seed), the KV dtype and the block size. The same in every process that
+    loads the same checkpoint."""
     mc = config.model_config
     h = hashlib.sha256()
     hf = mc.hf_config.to_dict() if hasattr(mc.hf_config, "to_dict") else vars(mc.hf_config)
     h.update(json.dumps(hf, sort_keys=True, default=str).encode())
     h.update(json.dumps([str(mc.dtype), config.cache_config.block_size]).encode())
+    if config.load_config.load_format == "dummy":
+        h.update(f"dummy weights, seed {mc.seed}".encode())
     model_dir = mc.model
     if os.path.isdir(model_dir):
         for name in sorted(os.listdir(model_dir)):
