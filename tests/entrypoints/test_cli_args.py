@@ -129,3 +129,12 @@ def test_log_output_flags_are_checked():
     for bad in ("-1", "many"):
         with pytest.raises(SystemExit):
             _parser().parse_args(["--max-log-len", bad])
+
+
+def test_a_repeatable_flag_from_a_config_file(tmp_path):
+    args = _parse(tmp_path, "middleware: [m.A, m.b]\nuds: /tmp/s.sock\n", [])
+    assert args.middleware == ["m.A", "m.b"] and args.uds == "/tmp/s.sock"
+    assert _parse(tmp_path, "middleware: [m.A]\n", ["--middleware", "m.C"]).middleware == [
+        "m.A",
+        "m.C",
+    ]

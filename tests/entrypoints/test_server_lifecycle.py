@@ -125,6 +125,10 @@ def test_missing_model_fails_before_the_server_starts(tmp_path, module):
         (["--reasoning-parser", "nope"], "reasoning_parser='nope' is not available"),
         (["--chat-template", "/no/such/template.jinja"], "is neither a file nor a Jinja template"),
         (["--port", "99999"], "cannot listen on 127.0.0.1:99999"),
+        (["--middleware", "no_such_module.Thing"], "--middleware 'no_such_module.Thing' cannot"),
+        (["--middleware", "os.sep"], "is neither a class nor an async function"),
+        (["--uds", "/no/such/dir/x.sock"], "cannot listen on the Unix socket '/no/such/dir"),
+        (["--enable-log-outputs"], "--enable-log-outputs needs --enable-log-requests"),
     ],
 )
 def test_bad_flags_fail_before_the_server_starts(tiny_llama_dir, flags, message):

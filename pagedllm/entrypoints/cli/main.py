@@ -54,7 +54,8 @@ def _expand_config(parser: argparse.ArgumentParser, argv: list[str]) -> list[str
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
-        level=os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s"
+        level=os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").upper(),
+        format="%(levelname)s %(asctime)s %(name)s: %(message)s",
     )
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)

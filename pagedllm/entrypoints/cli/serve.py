@@ -131,7 +131,7 @@ def run_multi_api_server(args: argparse.Namespace) -> int:
     from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.engine.coordinator import report_engine_death
     from pagedllm.engine.utils import ClientConfig, EngineLauncher
-    from pagedllm.entrypoints.openai.api_server import create_server_socket
+    from pagedllm.entrypoints.openai.api_server import close_server_socket, create_server_socket
     from pagedllm.entrypoints.openai.api_server_procs import APIServerProcessManager
 
     num_servers = args.api_server_count
@@ -141,7 +141,7 @@ def run_multi_api_server(args: argparse.Namespace) -> int:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = prometheus_dir
     stop = threading.Event()
     _stop_on_signals(stop)
-    sock = create_server_socket(args.host, args.port)  # each API server listens on it
+    sock = create_server_socket(args.host, args.port, args.uds)  # each API server listens on it
     config = EngineArgs.from_cli_args(args).create_engine_config()
     launcher = EngineLauncher(config, num_clients=num_servers)
     ctx = zmq.Context()
@@ -162,7 +162,7 @@ def run_multi_api_server(args: argparse.Namespace) -> int:
             servers.shutdown()
         launcher.shutdown()
         ctx.destroy(linger=0)
-        sock.close()
+        close_server_socket(sock, args.uds)
         if prometheus_dir is not None:
             shutil.rmtree(prometheus_dir, ignore_errors=True)
     return 0 if exit_code in (None, 0) else 1

@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hmac
+import importlib
+import inspect
 import logging
 import os
 import socket
+import stat
 import sys
 import uuid
 from collections.abc import AsyncGenerator, Awaitable
@@ -133,14 +137,60 @@ async def with_cancellation(coro: Awaitable[Any], request: Request) -> Any:
     return None
 
 
-def _respond(result: Any) -> Response:
+def _respond(result: Any, raw_request: Request) -> Response:
     if result is None:  # client disconnected
         return Response(status_code=499)
     if isinstance(result, AsyncGenerator):
+        interval = raw_request.app.state.sse_keep_alive_s
+        if interval:
+            result = _with_keep_alive(result, interval)
         return StreamingResponse(result, media_type="text/event-stream")
     if isinstance(result, dict):
         return JSONResponse(result)
     return JSONResponse(result.model_dump(exclude_unset=False))
+
+
+async def _with_keep_alive(
+    events: AsyncGenerator[str, None], interval: float
+) -> AsyncGenerator[str, None]:
+    """`events`, plus an SSE comment line whenever none came for `interval` seconds
+    (--sse-keep-alive-interval: proxies with read timeouts keep a queued or slow stream
+    open). The pending event is awaited, never cancelled, across keep-alives."""
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            pending = asyncio.ensure_future(anext(events))
+            while not (await asyncio.wait({pending}, timeout=interval))[0]:
+                yield ": keep-alive\n\n"
+            try:
+                yield pending.result()
+            except StopAsyncIteration:
+                return
+    finally:
+        if pending is not None and not pending.done():  # the client went away: abort
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+        await events.aclose()
+
+
+class ServerLoadMiddleware(HTTPMiddleware):
+    """--enable-server-load-tracking: `app.state.server_load` counts the generation requests
+    in flight (from arrival until their response, streamed or not, has ended), as vLLM's
+    `GET /load` reports it."""
+
+    PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+
+    async def handle(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope.get("method") != "POST" or scope.get("path") not in self.PATHS:
+            await self.app(scope, receive, send)
+            return
+        state = scope["app"].state
+        state.server_load += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            state.server_load -= 1
 
 
 def engine_health(engine: AsyncLLM) -> tuple[int, dict[str, Any] | None]:
@@ -240,19 +290,19 @@ def _register_routes(app: FastAPI) -> None:
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
         handler: OpenAIServingCompletion = raw_request.app.state.serving_completion
         coro = handler.create_completion(request, raw_request.headers.get("X-Request-Id"))
-        return _respond(await with_cancellation(coro, raw_request))
+        return _respond(await with_cancellation(coro, raw_request), raw_request)
 
     @app.post("/v1/chat/completions")
     async def chat(request: ChatCompletionRequest, raw_request: Request) -> Response:
         handler: OpenAIServingChat = raw_request.app.state.serving_chat
         coro = handler.create_chat_completion(request, raw_request.headers.get("X-Request-Id"))
-        return _respond(await with_cancellation(coro, raw_request))
+        return _respond(await with_cancellation(coro, raw_request), raw_request)
 
     @app.post("/v1/responses")
     async def responses(request: ResponsesRequest, raw_request: Request) -> Response:
         handler: OpenAIServingResponses = raw_request.app.state.serving_responses
         coro = handler.create_response(request, raw_request.headers.get("X-Request-Id"))
-        return _respond(await with_cancellation(coro, raw_request))
+        return _respond(await with_cancellation(coro, raw_request), raw_request)
 
     @app.post("/tokenize")
     async def tokenize(
@@ -265,6 +315,28 @@ def _register_routes(app: FastAPI) -> None:
     async def detokenize(request: DetokenizeRequest, raw_request: Request) -> JSONResponse:
         handler: OpenAIServingTokenization = raw_request.app.state.serving_tokenization
         return JSONResponse((await handler.create_detokenize(request)).model_dump())
+
+
+def _register_load_route(app: FastAPI) -> None:
+    @app.get("/load")
+    async def load(raw_request: Request) -> JSONResponse:
+        return JSONResponse({"server_load": raw_request.app.state.server_load})
+
+
+def _add_user_middleware(app: FastAPI, import_path: str) -> None:
+    """--middleware: an ASGI middleware class (`app.add_middleware`) or an `async def
+    (request, call_next)` function (`app.middleware("http")`), by import path."""
+    module_name, _, name = import_path.rpartition(".")
+    try:
+        imported = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"--middleware {import_path!r} cannot be imported: {e}") from e
+    if inspect.isclass(imported):
+        app.add_middleware(imported)
+    elif inspect.iscoroutinefunction(imported):
+        app.middleware("http")(imported)
+    else:
+        raise ValueError(f"--middleware {import_path!r} is neither a class nor an async function")
 
 
 def _register_tokenizer_info_route(app: FastAPI) -> None:
@@ -384,13 +456,22 @@ def build_app(
             if owned:
                 logger.info("Shutting down the engine")
                 the_engine.shutdown()
+            # After a SIGTERM uvicorn re-raises the signal once the app has shut down, so
+            # `run_server`'s own cleanup never runs: the --uds file goes here.
+            unix_socket = getattr(app.state, "unix_socket_path", None)
+            if unix_socket:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(unix_socket)
 
     docs: dict[str, Any] = {}
     if getattr(args, "disable_fastapi_docs", False):  # no /docs, /redoc, /openapi.json
         docs = dict(openapi_url=None, docs_url=None, redoc_url=None)
     app = FastAPI(lifespan=lifespan, root_path=getattr(args, "root_path", None) or "", **docs)
     app.router.route_class = CheckedJSONRoute
+    app.state.sse_keep_alive_s = getattr(args, "sse_keep_alive_interval", 0)
     _register_routes(app)
+    if getattr(args, "enable_server_load_tracking", False):
+        _register_load_route(app)  # vLLM's opt-in /load: absent (404) without it
     if getattr(args, "enable_tokenizer_info_endpoint", False):
         _register_tokenizer_info_route(app)  # vLLM's opt-in route: absent (404) without it
     if not getattr(args, "disable_dashboard", False):
@@ -405,6 +486,11 @@ def build_app(
     app.add_middleware(CatchAllMiddleware)
     if getattr(args, "enable_request_id_headers", False):
         app.add_middleware(RequestIdHeaderMiddleware)
+    if getattr(args, "enable_server_load_tracking", False):
+        app.state.server_load = 0
+        app.add_middleware(ServerLoadMiddleware)
+    for middleware in getattr(args, "middleware", None) or ():
+        _add_user_middleware(app, middleware)
     # Added last, so outermost: CORS headers reach the browser on errors (401, 500 too).
     app.add_middleware(
         CORSMiddleware,
@@ -437,9 +523,12 @@ class RequestIdHeaderMiddleware(HTTPMiddleware):
         await self.app(scope, receive, send_with_id)
 
 
-def create_server_socket(host: str | None, port: int) -> socket.socket:
-    """A socket bound to (host, port), not yet listening (uvicorn listens once the engine is
-    ready). Raises ValueError naming the address if it cannot be bound (a port in use)."""
+def create_server_socket(host: str | None, port: int, uds: str | None = None) -> socket.socket:
+    """A socket bound to (host, port), or with `uds` (--uds) to that Unix socket path (a
+    stale socket file there is replaced), not yet listening (uvicorn listens once the engine
+    is ready). Raises ValueError naming the address if it cannot be bound (a port in use)."""
+    if uds is not None:
+        return _unix_server_socket(uds)
     host = host or "0.0.0.0"
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -451,6 +540,43 @@ def create_server_socket(host: str | None, port: int) -> socket.socket:
         reason = getattr(e, "strerror", None) or e
         raise ValueError(f"cannot listen on {host}:{port}: {reason} (pick another --port)") from e
     return sock
+
+
+def _unix_server_socket(path: str) -> socket.socket:
+    if os.path.exists(path):
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            raise ValueError(f"--uds {path!r} exists and is not a socket")
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on the Unix socket {path!r}: {e.strerror or e}") from e
+    return sock
+
+
+def close_server_socket(sock: socket.socket, uds: str | None = None) -> None:
+    """Close a socket of `create_server_socket` (uvicorn may have closed it already), and
+    remove the Unix socket file `uds`."""
+    sock.close()
+    if uds:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(uds)
+
+
+class _AccessLogFilter(logging.Filter):
+    """--disable-access-log-for-endpoints: no access-log line for these paths (a comma list;
+    the query string is not compared)."""
+
+    def __init__(self, paths: str) -> None:
+        super().__init__()
+        self.paths = {p.strip() for p in paths.split(",") if p.strip()}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        path = str(args[2]).split("?", 1)[0] if len(args) > 2 else None
+        return path not in self.paths
 
 
 def checked_engine_config(args: argparse.Namespace) -> Any:
@@ -483,10 +609,10 @@ def run_server(
 
     # A server that builds its engine checks its flags first (its lifespan takes the config).
     engine_config = checked_engine_config(args) if client_config is None else None
+    app = build_app(args, client_config=client_config, engine_config=engine_config)
     own_sock = sock is None
     if sock is None:
-        sock = create_server_socket(args.host, args.port)
-    app = build_app(args, client_config=client_config, engine_config=engine_config)
+        sock = create_server_socket(args.host, args.port, getattr(args, "uds", None))
     config = uvicorn.Config(
         app,
         host=args.host or "0.0.0.0",
@@ -497,23 +623,29 @@ def run_server(
         ssl_certfile=args.ssl_certfile,
         timeout_graceful_shutdown=args.timeout_graceful_shutdown,
     )
-    logger.info("Starting the OpenAI-compatible server on %s:%d", config.host, args.port)
+    quiet = getattr(args, "disable_access_log_for_endpoints", None)
+    if quiet:
+        logging.getLogger("uvicorn.access").addFilter(_AccessLogFilter(quiet))
+    where = f"unix:{args.uds}" if getattr(args, "uds", None) else f"{config.host}:{args.port}"
+    logger.info("Starting the OpenAI-compatible server on %s", where)
     server = uvicorn.Server(config)
     app.state.request_shutdown = lambda: setattr(server, "should_exit", True)
     app.state.server_should_exit = lambda: server.should_exit
     app.state.listen_socket = sock
     app.state.start_gate = start_gate
+    app.state.unix_socket_path = getattr(args, "uds", None) if own_sock else None
     try:
         server.run(sockets=[sock])
     finally:
         if own_sock:
-            sock.close()
+            close_server_socket(sock, getattr(args, "uds", None))
     return EXIT_CODE_ENGINE_DEAD if getattr(app.state, "engine_dead_exit", False) else 0
 
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
-        level=os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s"
+        level=os.environ.get("PAGEDLLM_LOGGING_LEVEL", "INFO").upper(),
+        format="%(levelname)s %(asctime)s %(name)s: %(message)s",
     )
     parser = argparse.ArgumentParser(description="pagedllm OpenAI-compatible server")
     parser.add_argument("--model", required=True, help="Local checkpoint directory.")

@@ -67,8 +67,7 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--max-log-len",
         type=_non_negative_int,
         default=None,
-        help="Log at most this many characters or token ids of a prompt or output "
-        "(default: all).",
+        help="Log at most this many characters or token ids of a prompt or output (default: all).",
     )
     group.add_argument(
         "--disable-log-requests",
@@ -144,6 +143,31 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--disable-uvicorn-access-log", action="store_true", help="No uvicorn access log."
     )
     group.add_argument(
+        "--disable-access-log-for-endpoints",
+        type=str,
+        default=None,
+        help='No access-log lines for these paths, a comma list (e.g. "/health,/metrics").',
+    )
+    group.add_argument(
+        "--enable-server-load-tracking",
+        action="store_true",
+        help='Serve GET /load: the generation requests in flight ({"server_load": N}).',
+    )
+    group.add_argument(
+        "--middleware",
+        action="append",
+        default=[],
+        help="Import path of an ASGI middleware class or an async (request, call_next) "
+        "function to add to the app; repeat for several.",
+    )
+    group.add_argument(
+        "--sse-keep-alive-interval",
+        type=_non_negative_int,
+        default=0,
+        help="Send an SSE comment line on a stream that has been idle this many seconds "
+        "(for proxies with read timeouts; default 0: never).",
+    )
+    group.add_argument(
         "--disable-fastapi-docs",
         action="store_true",
         help="No /docs, /redoc or /openapi.json.",
@@ -164,6 +188,12 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--ssl-keyfile", type=str, default=None, help="TLS key file.")
     group.add_argument("--ssl-certfile", type=str, default=None, help="TLS certificate file.")
     group.add_argument("--root-path", type=str, default=None, help="ASGI root path (proxies).")
+    group.add_argument(
+        "--uds",
+        type=str,
+        default=None,
+        help="Serve on this Unix domain socket path instead of --host / --port.",
+    )
     group.add_argument(
         "--timeout-graceful-shutdown",
         type=float,
@@ -313,6 +343,8 @@ def _flag_args(flag: str, action: argparse.Action, value: Any) -> list[str]:
         return [flag, json.dumps(value)]
     if isinstance(value, list) and action.nargs in ("+", "*"):
         return [flag, *(str(v) for v in value)]
+    if isinstance(value, list) and isinstance(action, argparse._AppendAction):
+        return [arg for v in value for arg in (flag, str(v))]
     if isinstance(value, (list, dict)):
         return [flag, json.dumps(value)]
     return [flag, str(value)]
