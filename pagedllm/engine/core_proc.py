@@ -61,7 +61,7 @@ from pagedllm.engine.utils import (
     ready_timeout_s,
 )
 from pagedllm.spawn import exit_process, settle_forked_engine
-from pagedllm.worker.cpu_binding import CPU_BIND_ENV, plan_cpu_binding
+from pagedllm.worker.cpu_binding import CPU_BIND_ENV, bind_threads, plan_cpu_binding
 
 logger = logging.getLogger(__name__)
 
@@ -699,15 +699,23 @@ def engine_cpu_cores(
     return plan_cpu_binding(parallel.data_parallel_size_local, "auto", available)[local_dp_rank]
 
 
+def pin_engine_process(config: EngineConfig, local_dp_rank: int) -> set[int] | None:
+    """Pin this engine process to its cores (`engine_cpu_cores`) and size torch's compute
+    threads to them; returns the cores (None: not pinned). torch and its OpenMP runtime are
+    loaded by now, sized for every core the process could use: without the resize, a spawned
+    engine pinned to one core ran two compute threads on it, each stalling the other.
+    OMP_NUM_THREADS is set for this engine's own worker processes."""
+    cores = engine_cpu_cores(config, local_dp_rank)
+    if cores:
+        os.environ.setdefault("OMP_NUM_THREADS", str(bind_threads(cores)))
+    return cores
+
+
 def engine_process_main(**kwargs: Any) -> None:
     """Entry point of an engine process (multiprocessing target, forked or spawned). Once the engine has
     stopped and flushed its sockets, the process ends without the interpreter's finalization,
     which can stall for seconds collecting the model's object graph."""
-    cores = engine_cpu_cores(kwargs["config"], kwargs["local_dp_rank"])
-    if cores:
-        # Before torch starts its thread pool (sized by OMP_NUM_THREADS when set).
-        os.sched_setaffinity(0, cores)
-        os.environ.setdefault("OMP_NUM_THREADS", str(len(cores)))
+    pin_engine_process(kwargs["config"], kwargs["local_dp_rank"])
     if kwargs.pop("forked", False):
         settle_forked_engine()
     exit_process(run_engine_core(**kwargs))

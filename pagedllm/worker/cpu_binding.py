@@ -58,14 +58,16 @@ def plan_cpu_binding(
     return groups
 
 
-def bind_threads(cores: set[int] | None) -> None:
+def bind_threads(cores: set[int] | None) -> int | None:
     """Pin this process to `cores` and size PyTorch's thread pool to them (call before the
-    first parallel op, so the pool's threads inherit the affinity). No-op for None."""
+    first parallel op, so the pool's threads inherit the affinity); returns that thread
+    count. No-op (None) for None."""
     if not cores:
-        return
+        return None
     import torch
 
     os.sched_setaffinity(0, cores)
     limit = os.environ.get("OMP_NUM_THREADS")
     threads = len(cores) if not limit else max(1, min(len(cores), int(limit)))
     torch.set_num_threads(threads)
+    return threads

@@ -3,10 +3,12 @@ test_core_client.py)."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 from types import SimpleNamespace
 
 from pagedllm.config import KVTransferConfig
-from pagedllm.engine.core_proc import engine_cpu_cores, set_data_parallel_rank
+from pagedllm.engine.core_proc import engine_cpu_cores, pin_engine_process, set_data_parallel_rank
 from pagedllm.worker.cpu_binding import CPU_BIND_ENV
 from tests.engine.fake_engine_core import fake_config
 
@@ -41,6 +43,27 @@ def test_engines_of_one_cpu_node_split_its_cores(monkeypatch):
     assert engine_cpu_cores(gpu, 0, cores) is None
     monkeypatch.setenv(CPU_BIND_ENV, "nobind")
     assert engine_cpu_cores(two, 0, cores) is None
+
+
+def _pinned_engine(config) -> tuple[int, set[int] | None, int, str | None]:
+    import torch  # loaded before the pinning, as in a spawned engine process
+
+    before = torch.get_num_threads()
+    cores = pin_engine_process(config, 1)
+    return before, cores, torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+
+
+def test_a_spawned_engine_runs_one_thread_per_core_of_its_own(monkeypatch):
+    """An engine process is spawned with torch already sized for all of the node's cores;
+    pinned to its share, it must run that many compute threads, not the node's count."""
+    monkeypatch.delenv(CPU_BIND_ENV, raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    config = fake_config(parallel={"data_parallel_size": 2})
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        before, cores, after, env = pool.apply(_pinned_engine, (config,))
+    share = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert len(cores) == share and after == share and env == str(share)
+    assert before == len(os.sched_getaffinity(0))  # what it was sized for before
 
 
 def test_idle_step_sends_its_gauges_to_every_front_end():
