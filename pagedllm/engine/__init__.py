@@ -29,7 +29,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):  #
     priority: int = 0
     eos_token_id: int | None = None
     # Read by the front end only: with data parallelism, the engine to send this request to
-    # (None: the load balancer picks one).
+    # (None: the load balancer picks one); the API server's X-data-parallel-rank header.
     data_parallel_rank: int | None = None
     # Read by the front end only: OpenAI's prompt_cache_key, which keeps requests that share
     # it on one data-parallel engine (engine/load_balancer.py).

@@ -153,6 +153,35 @@ def test_prompt_cache_key_keeps_requests_on_its_engine(deployment, reference):
         assert on_home >= 9, (key, rank, on_home)
 
 
+def test_data_parallel_rank_header_picks_the_engine(deployment, reference):
+    """vLLM's X-data-parallel-rank header (an external router's choice) overrides the
+    balancer, through completions, chat and Responses alike; bad values are 400s."""
+    url = deployment.head.url
+    for rank in (1, 0):
+        before = _metric(url, "vllm:request_success_total")
+        headers = {"X-data-parallel-rank": str(rank)}
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:  # at once: the balancer
+            bodies = [{"prompt": PROMPTS[i], "max_tokens": MAX_TOKENS, "temperature": 0,
+                       "ignore_eos": True} for i in range(8)]  # fmt: skip
+            posts = [pool.submit(httpx.post, f"{url}/v1/completions", json=b, headers=headers,
+                                 timeout=120) for b in bodies]  # fmt: skip
+            replies = [p.result() for p in posts]
+        assert [r.json()["choices"][0]["text"] for r in replies] == reference[:8]
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        r = httpx.post(f"{url}/v1/chat/completions", json=chat, headers=headers, timeout=120)
+        assert r.status_code == 200, r.text
+        r = httpx.post(f"{url}/v1/responses", json={"input": "hi", "max_output_tokens": 2},
+                       headers=headers, timeout=120)  # fmt: skip
+        assert r.status_code == 200, r.text
+        after = _metric(url, "vllm:request_success_total")
+        ran = {e: after[e] - before.get(e, 0) for e in ("0", "1")}
+        assert ran == {str(rank): 10, str(1 - rank): 0}, ran
+    for bad in ("2", "-1", "one"):
+        r = httpx.post(f"{url}/v1/completions", json=bodies[0],
+                       headers={"X-data-parallel-rank": bad}, timeout=60)  # fmt: skip
+        assert r.status_code == 400 and "X-data-parallel-rank" in r.json()["error"]["message"]
+
+
 def test_two_api_servers_answer_and_count_once(deployment, reference):
     url = deployment.head.url
     names = ["request_success_total", "prompt_tokens_total", "time_to_first_token_seconds_count"]

@@ -137,6 +137,20 @@ async def with_cancellation(coro: Awaitable[Any], request: Request) -> Any:
     return None
 
 
+def _data_parallel_rank(raw_request: Request) -> int | None:
+    """vLLM's `X-data-parallel-rank` header: the data-parallel engine to run the request on
+    (an external router's choice), instead of the load balancer's."""
+    value = raw_request.headers.get("X-data-parallel-rank")
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise OpenAIError(
+            f"X-data-parallel-rank must be an integer, got {value!r}", param="X-data-parallel-rank"
+        ) from None
+
+
 def _respond(result: Any, raw_request: Request) -> Response:
     if result is None:  # client disconnected
         return Response(status_code=499)
@@ -289,19 +303,25 @@ def _register_routes(app: FastAPI) -> None:
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
         handler: OpenAIServingCompletion = raw_request.app.state.serving_completion
-        coro = handler.create_completion(request, raw_request.headers.get("X-Request-Id"))
+        coro = handler.create_completion(
+            request, raw_request.headers.get("X-Request-Id"), _data_parallel_rank(raw_request)
+        )
         return _respond(await with_cancellation(coro, raw_request), raw_request)
 
     @app.post("/v1/chat/completions")
     async def chat(request: ChatCompletionRequest, raw_request: Request) -> Response:
         handler: OpenAIServingChat = raw_request.app.state.serving_chat
-        coro = handler.create_chat_completion(request, raw_request.headers.get("X-Request-Id"))
+        coro = handler.create_chat_completion(
+            request, raw_request.headers.get("X-Request-Id"), _data_parallel_rank(raw_request)
+        )
         return _respond(await with_cancellation(coro, raw_request), raw_request)
 
     @app.post("/v1/responses")
     async def responses(request: ResponsesRequest, raw_request: Request) -> Response:
         handler: OpenAIServingResponses = raw_request.app.state.serving_responses
-        coro = handler.create_response(request, raw_request.headers.get("X-Request-Id"))
+        coro = handler.create_response(
+            request, raw_request.headers.get("X-Request-Id"), _data_parallel_rank(raw_request)
+        )
         return _respond(await with_cancellation(coro, raw_request), raw_request)
 
     @app.post("/tokenize")

@@ -175,7 +175,7 @@ class OpenAIServingChat(OpenAIServing):
         return self.engine_prompt(prompt_text, ids, request), tool_parser
 
     async def start_chat(
-        self, request: ChatCompletionRequest, request_id: str
+        self, request: ChatCompletionRequest, request_id: str, data_parallel_rank: int | None = None
     ) -> tuple[AsyncGenerator[RequestOutput, None], list[int], list[ChatOutputParser]]:
         """Render, tokenize (on the tokenizer thread) and submit a chat request (400s before
         anything runs): returns the engine's output generator, the prompt token ids and one
@@ -183,17 +183,22 @@ class OpenAIServingChat(OpenAIServing):
         engine_prompt, tool_parser = await self.in_tokenizer_thread(self._prepare_chat, request)
         ids = engine_prompt["prompt_token_ids"]
         max_tokens = self.resolve_max_tokens(len(ids), request.requested_max_tokens, "messages")
-        generator = await self.generate(request_id, engine_prompt, request, max_tokens)
+        generator = await self.generate(
+            request_id, engine_prompt, request, max_tokens, data_parallel_rank
+        )
         return generator, ids, self.output_parsers(request, ids, tool_parser)
 
     async def create_chat_completion(
-        self, request: ChatCompletionRequest, request_id: str | None = None
+        self,
+        request: ChatCompletionRequest,
+        request_id: str | None = None,
+        data_parallel_rank: int | None = None,
     ) -> ChatCompletionResponse | AsyncGenerator[str, None]:
         self.check_request(request.model)
         check_fields(request)
         request_id = f"chatcmpl-{request.request_id or request_id or random_uuid()}"
         created = int(time.time())
-        generator, ids, parsers = await self.start_chat(request, request_id)
+        generator, ids, parsers = await self.start_chat(request, request_id, data_parallel_rank)
         echo = _echoed_content(request)
         if request.stream:
             return self._stream(request, request_id, created, len(ids), generator, parsers, echo)

@@ -56,7 +56,10 @@ class OpenAIServingCompletion(OpenAIServing):
         return result
 
     async def create_completion(
-        self, request: CompletionRequest, request_id: str | None = None
+        self,
+        request: CompletionRequest,
+        request_id: str | None = None,
+        data_parallel_rank: int | None = None,
     ) -> CompletionResponse | AsyncGenerator[str, None]:
         self.check_request(request.model)
         check_fields(request)
@@ -79,7 +82,9 @@ class OpenAIServingCompletion(OpenAIServing):
             engine_prompt = self.engine_prompt(text, ids, request)
             prompts.append((engine_prompt["prompt"], engine_prompt["prompt_token_ids"]))
             generators.append(
-                await self.generate(f"{request_id}-{i}", engine_prompt, request, max_tokens)
+                await self.generate(
+                    f"{request_id}-{i}", engine_prompt, request, max_tokens, data_parallel_rank
+                )
             )
         results = merge_async_iterators(*generators)
         if request.stream:

@@ -199,14 +199,29 @@ class OpenAIServing:
         return params, processed
 
     async def generate(
-        self, request_id: str, prompt: dict[str, Any], request: Any, max_tokens: int
+        self,
+        request_id: str,
+        prompt: dict[str, Any],
+        request: Any,
+        max_tokens: int,
+        data_parallel_rank: int | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Validate now, on the tokenizer thread (bad input is a 400 before a stream starts),
         and return the engine's output stream: sampling, or with `use_beam_search` a beam
-        search whose best `n` beams are the choices."""
+        search whose best `n` beams are the choices. `data_parallel_rank`: the engine to run
+        it on (vLLM's X-data-parallel-rank header), else the load balancer's pick."""
         params, processed = await self.in_tokenizer_thread(
             self.validate, request_id, prompt, request, max_tokens
         )
+        if data_parallel_rank is not None:
+            engines = self.engine.config.parallel_config.data_parallel_size
+            if not 0 <= data_parallel_rank < engines:
+                raise OpenAIError(
+                    f"X-data-parallel-rank={data_parallel_rank} is out of range: there are "
+                    f"{engines} data-parallel engines",
+                    param="X-data-parallel-rank",
+                )
+            processed[1].data_parallel_rank = data_parallel_rank
         if self.engine.log_requests:
             logger.info(
                 "Received request %s: prompt_tokens=%d, user=%s, params=%s",

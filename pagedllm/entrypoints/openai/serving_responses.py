@@ -38,7 +38,10 @@ class OpenAIServingResponses:
         self.chat = chat
 
     async def create_response(
-        self, request: ResponsesRequest, request_id: str | None = None
+        self,
+        request: ResponsesRequest,
+        request_id: str | None = None,
+        data_parallel_rank: int | None = None,
     ) -> dict[str, Any] | AsyncGenerator[str, None]:
         self.chat.check_request(request.model)
         try:
@@ -46,7 +49,9 @@ class OpenAIServingResponses:
         except ValueError as e:
             raise OpenAIError(str(e)) from e
         response_id = f"resp_{request.request_id or request_id or random_uuid()}"
-        generator, prompt_ids, parsers = await self.chat.start_chat(chat_request, response_id)
+        generator, prompt_ids, parsers = await self.chat.start_chat(
+            chat_request, response_id, data_parallel_rank
+        )
         base = _base_response(request, response_id, self.chat.model_name)
         if request.stream:
             return _ResponseStream(self, base, generator, parsers[0], len(prompt_ids)).events()
