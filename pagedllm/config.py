@@ -216,6 +216,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0: no per-request cap below the token budget
     policy: str = "fcfs"
+    # A streamed request's outputs go out every this many tokens (its first and last always).
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
@@ -236,6 +238,8 @@ class SchedulerConfig:
             raise ValueError(
                 f"long_prefill_token_threshold={self.long_prefill_token_threshold} must be >= 0"
             )
+        if not isinstance(self.stream_interval, int) or self.stream_interval < 1:
+            raise ValueError(f"stream_interval={self.stream_interval!r} must be an integer >= 1")
 
 
 # load_format values (vLLM's names; models/loader.py reads them).

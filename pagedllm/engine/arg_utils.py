@@ -61,6 +61,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     long_prefill_token_threshold: int = 0
+    stream_interval: int = 1
     kv_cache_memory_bytes: int | None = None
     kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
@@ -168,6 +169,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
+            stream_interval=self.stream_interval,
             policy=self.scheduling_policy,
         )
         cache_config = CacheConfig(
@@ -478,6 +480,8 @@ _HELP = {
     "after which the engine counts as stalled (/health answers 503, the stall is logged with "
     "what was in flight); 0 turns stall detection off.",
     "tokenizer": "Tokenizer directory (default: the model directory).",
+    "stream_interval": "A streamed request's output goes out every this many tokens (its "
+    "first and last at once); above 1, fewer, larger chunks for less front-end work.",
     "tokenizer_mode": "auto or hf (the fast tokenizer where there is one), slow (transformers' "
     "slow Python tokenizer; refused where the checkpoint or transformers has none).",
     "hf_overrides": "A JSON object over the model's config.json, applied as it is read (before "

@@ -112,7 +112,7 @@ class AsyncLLM:
         # those calls: a Hugging Face fast tokenizer must not be reconfigured while another
         # thread encodes with it ("Already borrowed"). Detokenization stays on the loop.
         self.tokenizer_executor = ThreadPoolExecutor(1, thread_name_prefix="Tokenizer")
-        self.output_processor = OutputProcessor(tokenizer)
+        self.output_processor = OutputProcessor(tokenizer, config.scheduler_config.stream_interval)
         config.cache_config.num_blocks = self.engine_core.num_blocks  # sized by the core
         engines = range(self.engine_core.num_engines)
         self.prometheus: PrometheusMetrics | None = None

@@ -42,7 +42,9 @@ class LLMEngine:
             tokenizer_mode=mc.tokenizer_mode,
         )
         self.processor = Processor(config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, config.scheduler_config.stream_interval
+        )
         config.cache_config.num_blocks = self.engine_core.num_blocks  # sized by the core
         self.stat_loggers = stat_loggers or []
 

@@ -119,8 +119,12 @@ class OutputProcessorOutput:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, stream_interval: int = 1) -> None:
+        """`stream_interval` (vLLM's `--stream-interval`): a streamed (DELTA or CUMULATIVE)
+        request's output goes out once this many new tokens have come since the last one
+        sent; the first and the final outputs always go out at once."""
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         # Each token's text as logprobs entries show it, decoded once (at most the vocabulary):
         # 64 rows of 5 logprobs a step were ~380 tokenizer calls, ~2 ms a step.
         self._token_texts: dict[int, str] = {}
@@ -377,6 +381,13 @@ class OutputProcessor:
     ) -> RequestOutput | None:
         kind = state.output_kind
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        if (
+            self.stream_interval > 1
+            and not finished
+            and state.sent_tokens
+            and len(state.token_ids) - state.sent_tokens < self.stream_interval
+        ):
             return None
         delta = kind == RequestOutputKind.DELTA
         text = ""

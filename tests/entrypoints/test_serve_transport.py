@@ -1,11 +1,12 @@
 """vLLM's `serve` flags for how the server is reached and watched: --uds (a Unix socket; the
 file is gone after the server stops), --middleware (a class and a function),
---enable-server-load-tracking (GET /load), --disable-access-log-for-endpoints, and
---sse-keep-alive-interval (`_with_keep_alive`, unit-tested, and live)."""
+--enable-server-load-tracking (GET /load), --disable-access-log-for-endpoints,
+--sse-keep-alive-interval (`_with_keep_alive`, unit-tested, and live) and --stream-interval."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -33,7 +34,8 @@ def uds_server(tiny_llama_dir):
                "--middleware", "tests.entrypoints.asgi_middleware.MarkClass",
                "--middleware", "tests.entrypoints.asgi_middleware.mark_function",
                "--enable-server-load-tracking", "--sse-keep-alive-interval", "1",
-               "--disable-access-log-for-endpoints", "/health,/load"]  # fmt: skip
+               "--disable-access-log-for-endpoints", "/health,/load",
+               "--stream-interval", "3"]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         client = httpx.Client(transport=httpx.HTTPTransport(uds=path), base_url="http://x")
@@ -81,6 +83,16 @@ def test_load_counts_requests_in_flight(uds_server):
         assert client.get("/load").json() == {"server_load": 1}
         assert "data: [DONE]" in list(lines)
     assert client.get("/load").json() == {"server_load": 0}
+
+
+def test_streams_with_an_interval_carry_the_whole_text(uds_server):
+    client, _, _, _ = uds_server
+    body = {**BODY, "max_tokens": 11, "ignore_eos": True}
+    whole = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    texts = [e["choices"][0]["text"] for e in events if e["choices"]]
+    assert "".join(texts) == whole and 1 < len(texts) <= 5  # 1 + 3 + 3 + 3 + 1 at most
 
 
 def test_access_log_leaves_out_the_listed_paths(uds_server):
