@@ -138,3 +138,8 @@ def test_a_repeatable_flag_from_a_config_file(tmp_path):
         "m.A",
         "m.C",
     ]
+
+
+def test_shutdown_timeout_is_the_graceful_shutdown_time():
+    assert _parser().parse_args(["--shutdown-timeout", "0"]).timeout_graceful_shutdown == 0
+    assert _parser().parse_args([]).timeout_graceful_shutdown == 10.0

@@ -196,9 +196,11 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--timeout-graceful-shutdown",
+        "--shutdown-timeout",
         type=float,
         default=10.0,
-        help="Seconds open connections get to finish after SIGTERM / Ctrl-C.",
+        help="Seconds in-flight requests get to finish after SIGTERM / Ctrl-C before they are "
+        "aborted (--shutdown-timeout: vLLM's name; 0 aborts them at once).",
     )
     group.add_argument(
         "--api-server-count",
