@@ -557,10 +557,47 @@ class CompilationConfig:
 
 @dataclass
 class StructuredOutputsConfig:
-    """Structured outputs in the engine core. With a `reasoning_parser` (vLLM's
-    `--reasoning-parser`), a request's grammar applies only after its reasoning ends."""
+    """Structured outputs in the engine core (vLLM's `--structured-outputs-config`). With a
+    `reasoning_parser` (vLLM's `--reasoning-parser`), a request's grammar applies only after
+    its reasoning ends, unless `enable_in_reasoning`. `backend`: "auto" or "xgrammar" (the
+    one pagedllm has); `disable_any_whitespace`: every JSON constraint compact."""
 
     reasoning_parser: str | None = None
+    backend: str = "auto"
+    disable_any_whitespace: bool = False
+    enable_in_reasoning: bool = False
+
+    @classmethod
+    def from_dict(
+        cls, values: dict[str, Any] | None, reasoning_parser: str | None = None
+    ) -> StructuredOutputsConfig:
+        """From vLLM's JSON (its keys; the ones asking for what pagedllm lacks are a
+        ValueError naming them) and `--reasoning-parser`."""
+        values = dict(values or {})
+        given = values.pop("reasoning_parser", None) or None
+        if given and reasoning_parser and given != reasoning_parser:
+            raise ValueError(
+                f"structured_outputs_config.reasoning_parser={given!r} contradicts "
+                f"reasoning_parser={reasoning_parser!r}"
+            )
+        backend = values.pop("backend", "auto")
+        if backend not in ("auto", "xgrammar"):
+            raise ValueError(
+                f"structured_outputs_config.backend={backend!r} is not supported: pagedllm's "
+                "structured outputs run on xgrammar ('auto' or 'xgrammar')"
+            )
+        for name in ("disable_additional_properties", "reasoning_parser_plugin"):
+            if values.pop(name, None):
+                raise ValueError(f"structured_outputs_config.{name} is not supported by pagedllm")
+        flags = {}
+        for name in ("disable_any_whitespace", "enable_in_reasoning"):
+            value = values.pop(name, False)
+            if not isinstance(value, bool):
+                raise ValueError(f"structured_outputs_config.{name}={value!r} must be a boolean")
+            flags[name] = value
+        if values:
+            raise ValueError(f"unknown structured_outputs_config keys: {sorted(values)}")
+        return cls(given or reasoning_parser, backend, **flags)
 
 
 @dataclass

@@ -153,3 +153,28 @@ def test_an_fp16_checkpoint_runs_in_bf16_on_a_cpu_with_fast_bf16(tmp_path):
     assert engine_config.model_config.dtype == torch.bfloat16
     kept = EngineArgs(model=model, device="cpu", dtype="float16").create_engine_config()
     assert kept.model_config.dtype == torch.float16
+
+
+def test_structured_outputs_config_takes_vllms_keys_and_refuses_the_rest():
+    from pagedllm.config import StructuredOutputsConfig
+
+    config = StructuredOutputsConfig.from_dict(
+        {"backend": "xgrammar", "disable_any_whitespace": True, "enable_in_reasoning": True},
+        "qwen3",
+    )
+    assert (config.backend, config.disable_any_whitespace, config.enable_in_reasoning) == (
+        "xgrammar", True, True,
+    )  # fmt: skip
+    assert config.reasoning_parser == "qwen3"
+    assert StructuredOutputsConfig.from_dict({"reasoning_parser": "qwen3"}).reasoning_parser == (
+        "qwen3"
+    )
+    for values, message in [
+        ({"backend": "guidance"}, "backend='guidance' is not supported"),
+        ({"disable_additional_properties": True}, "disable_additional_properties"),
+        ({"disable_any_whitespace": "yes"}, "must be a boolean"),
+        ({"bogus": 1}, "unknown structured_outputs_config keys: \\['bogus'\\]"),
+        ({"reasoning_parser": "deepseek_r1"}, "contradicts reasoning_parser='qwen3'"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            StructuredOutputsConfig.from_dict(values, "qwen3")

@@ -83,6 +83,7 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     speculative_config: dict[str, Any] | None = None
     reasoning_parser: str | None = None
+    structured_outputs_config: dict[str, Any] | None = None
     kv_transfer_config: dict[str, Any] | None = None
     disable_log_stats: bool = False
     # Bitwise-identical outputs whatever the batch; also $PAGEDLLM_BATCH_INVARIANT=1.
@@ -206,10 +207,14 @@ class EngineArgs:
             from pagedllm.attention.selector import check_attention_backend_name
 
             check_attention_backend_name(self.attention_backend)
-        if self.reasoning_parser is not None:
+        structured_outputs_config = StructuredOutputsConfig.from_dict(
+            self.structured_outputs_config, self.reasoning_parser
+        )
+        if structured_outputs_config.reasoning_parser is not None:
             from pagedllm.reasoning import ReasoningParserManager
 
-            ReasoningParserManager.get_reasoning_parser(self.reasoning_parser)  # known name
+            # A known name.
+            ReasoningParserManager.get_reasoning_parser(structured_outputs_config.reasoning_parser)
         kv_transfer_config = None
         if self.kv_transfer_config is not None:
             from pagedllm.distributed.kv_transfer.factory import KVConnectorFactory
@@ -232,7 +237,7 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             attention_backend=self.attention_backend,
             compilation_config=compilation_config,
-            structured_outputs_config=StructuredOutputsConfig(self.reasoning_parser),
+            structured_outputs_config=structured_outputs_config,
             kv_transfer_config=kv_transfer_config,
             batch_invariant=batch_invariant,
             stall_timeout_s=_check_stall_timeout(self.stall_timeout_s),
@@ -323,7 +328,11 @@ class EngineArgs:
                 )
             elif f.name == "quantization":
                 group.add_argument(*flags, "-q", choices=["int8"], default=None, help=help_text)
-            elif f.name in ("override_generation_config", "hf_overrides"):
+            elif f.name in (
+                "override_generation_config",
+                "hf_overrides",
+                "structured_outputs_config",
+            ):
                 group.add_argument(*flags, type=json_object_arg, default=None, help=help_text)
             elif f.name in ("speculative_config", "kv_transfer_config", "compilation_config"):
                 group.add_argument(*flags, type=json.loads, default=None, help=help_text)
@@ -520,6 +529,9 @@ _HELP = {
     "enforce_eager": "Run decode steps eagerly: no CUDA graphs (CUDA only).",
     "attention_backend": "TORCH_SDPA or TRITON_ATTN (default: TRITON_ATTN on CUDA, TORCH_SDPA "
     "on the CPU; also $PAGEDLLM_ATTENTION_BACKEND).",
+    "structured_outputs_config": "A JSON object of vLLM's structured-output settings: backend "
+    "(auto or xgrammar), disable_any_whitespace (every JSON constraint compact), "
+    "enable_in_reasoning (constrain the reasoning too), reasoning_parser.",
     "reasoning_parser": "Split reasoning from content (deepseek_r1, qwen3); structured "
     "outputs apply after the reasoning.",
     "compilation_config": 'JSON, e.g. \'{"level": 3, "cudagraph_capture_sizes": [1, 2, 4]}\' '

@@ -191,6 +191,9 @@ class Processor:
         self.validate_structured_outputs(params)  # bad schema/regex/grammar: compiler's message
         self._validate_kv_transfer_params(params)
         params = params.clone()
+        so = params.structured_outputs
+        if so is not None and self.config.structured_outputs_config.disable_any_whitespace:
+            so.disable_any_whitespace = True  # (the server's setting; a clone of the request's)
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - prompt_len
         if params.bad_words:

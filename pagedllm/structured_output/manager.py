@@ -156,7 +156,7 @@ class StructuredOutputManager:
             return
         state = _RequestGrammar(future=self._compile_async(request))
         reasoner = self.reasoner
-        if reasoner is not None:
+        if reasoner is not None and not self.config.structured_outputs_config.enable_in_reasoning:
             state.reasoning_ended = reasoner.is_reasoning_end(request.prompt_token_ids)
         self._requests[request.request_id] = state
         request.status = RequestStatus.WAITING_FOR_FSM

@@ -193,3 +193,17 @@ def test_chunked_prefill_and_prefix_caching(tiny_llama_dir, llm):
     )
     assert _engine_outputs(chunked, spec, prompts) == expected
     assert all(re.fullmatch(EMAIL_REGEX, t) for t in expected)
+
+
+def test_server_wide_compact_json(tiny_llama_dir):
+    """structured_outputs_config.disable_any_whitespace: every JSON constraint compact, as a
+    request's own disable_any_whitespace makes it."""
+    llm = LLM(
+        model=tiny_llama_dir, dtype="float32", kv_cache_memory=KV_CACHE,
+        structured_outputs_config={"disable_any_whitespace": True},
+    )  # fmt: skip
+    outs = _generate(llm, StructuredOutputsParams(json=PERSON_SCHEMA), (1.5,), seeds=(0, 1, 2))
+    for _, out in outs:
+        check_json(out.text, PERSON_SCHEMA)
+        assert "\n" not in out.text and "  " not in out.text
+    llm.shutdown()

@@ -383,3 +383,25 @@ def test_drafts_stop_before_the_end_of_reasoning(think_model_dir, make_engine_co
     assert not manager.accept_token(request, 7)
     assert not manager.accept_token(request, end)
     assert manager._requests["r"].reasoning_ended
+
+
+def test_enable_in_reasoning_constrains_the_reasoning_too(think_model_dir, make_engine_config):
+    """structured_outputs_config.enable_in_reasoning: the grammar applies from the first
+    token, even to a request whose prompt opened a think block."""
+    from pagedllm.transformers_utils.tokenizer import get_tokenizer
+
+    config = make_engine_config(think_model_dir)
+    config.structured_outputs_config.reasoning_parser = "deepseek_r1"
+    config.structured_outputs_config.enable_in_reasoning = True
+    config.cache_config.num_blocks = 256
+    manager = StructuredOutputManager(config)
+    scheduler = Scheduler(config, manager)
+    start = get_tokenizer(think_model_dir).convert_tokens_to_ids("<think>")
+    params = SamplingParams(structured_outputs=PERSON, max_tokens=300)
+    params.update_from_generation_config({}, [EOS_ID, END_OF_TURN_ID])
+    scheduler.add_request(Request("think", [20, 30, 40, start], params, eos_token_id=EOS_ID))
+    while manager._requests["think"].future.running():
+        time.sleep(0.01)
+    assert manager._requests["think"].reasoning_ended
+    so, _ = _step(scheduler, random.Random(0))
+    assert "think" in so.structured_output_request_ids  # a bitmask row from the first step
