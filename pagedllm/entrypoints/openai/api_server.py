@@ -363,7 +363,7 @@ def _register_tokenizer_info_route(app: FastAPI) -> None:
     @app.get("/tokenizer_info")
     async def tokenizer_info(raw_request: Request) -> JSONResponse:
         handler: OpenAIServingTokenization = raw_request.app.state.serving_tokenization
-        return JSONResponse(handler.tokenizer_info(handler.options.chat_template))
+        return JSONResponse(handler.tokenizer_info())
 
 
 def init_app_state(app: FastAPI, engine: AsyncLLM, args: argparse.Namespace) -> None:
@@ -478,10 +478,7 @@ def build_app(
                 the_engine.shutdown()
             # After a SIGTERM uvicorn re-raises the signal once the app has shut down, so
             # `run_server`'s own cleanup never runs: the --uds file goes here.
-            unix_socket = getattr(app.state, "unix_socket_path", None)
-            if unix_socket:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(unix_socket)
+            _remove_socket_file(getattr(app.state, "unix_socket_path", None))
 
     docs: dict[str, Any] = {}
     if getattr(args, "disable_fastapi_docs", False):  # no /docs, /redoc, /openapi.json
@@ -580,9 +577,13 @@ def close_server_socket(sock: socket.socket, uds: str | None = None) -> None:
     """Close a socket of `create_server_socket` (uvicorn may have closed it already), and
     remove the Unix socket file `uds`."""
     sock.close()
-    if uds:
+    _remove_socket_file(uds)
+
+
+def _remove_socket_file(path: str | None) -> None:
+    if path:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(uds)
+            os.unlink(path)
 
 
 class _AccessLogFilter(logging.Filter):
@@ -604,13 +605,9 @@ def checked_engine_config(args: argparse.Namespace) -> Any:
     checked, before the port opens or an engine starts: a bad value is a ValueError naming
     it, not a traceback out of uvicorn's start-up."""
     from pagedllm.engine.arg_utils import EngineArgs
-    from pagedllm.reasoning import ReasoningParserManager
 
-    config = EngineArgs.from_cli_args(args).create_engine_config()
+    config = EngineArgs.from_cli_args(args).create_engine_config()  # the reasoning parser too
     ServingOptions.from_args(args)
-    reasoning_parser = config.structured_outputs_config.reasoning_parser
-    if reasoning_parser:
-        ReasoningParserManager.get_reasoning_parser(reasoning_parser)
     return config
 
 

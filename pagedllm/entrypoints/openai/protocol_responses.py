@@ -81,9 +81,10 @@ class ResponsesRequest(BaseModel):
     def check_supported(self) -> None:
         """ValueError naming the first field set that pagedllm cannot honour, or the first
         field that no Responses API defines."""
-        for name in (self.model_extra or {}).keys() - UNSUPPORTED.keys() - set(CHAT_EXTRAS):
+        unknown = sorted((self.model_extra or {}).keys() - UNSUPPORTED.keys() - set(CHAT_EXTRAS))
+        if unknown:
             raise ValueError(
-                f"unknown field {name!r}: pagedllm's Responses API accepts the fields it "
+                f"unknown field {unknown[0]!r}: pagedllm's Responses API accepts the fields it "
                 "honours, and no others"
             )
         for name, off in UNSUPPORTED.items():

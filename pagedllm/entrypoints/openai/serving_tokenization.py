@@ -64,7 +64,7 @@ class OpenAIServingTokenization(OpenAIServingChat):
         text = await self.in_tokenizer_thread(self.tokenizer.decode, request.tokens)
         return DetokenizeResponse(prompt=text)
 
-    def tokenizer_info(self, chat_template: str | None = None) -> dict[str, Any]:
+    def tokenizer_info(self) -> dict[str, Any]:
         """vLLM's `/tokenizer_info` body: the tokenizer's config (its `init_kwargs`, as in
         tokenizer_config.json) with `tokenizer_class`, the special tokens as strings and the
         chat template the server renders with (--chat-template, else the tokenizer's)."""
@@ -75,7 +75,7 @@ class OpenAIServingTokenization(OpenAIServingChat):
             if name in config or getattr(tok, name, None) is not None:
                 config[name] = getattr(tok, name, None)
         config["tokenizer_class"] = type(tok).__name__
-        template = chat_template or getattr(tok, "chat_template", None)
+        template = self.options.chat_template or getattr(tok, "chat_template", None)
         if template:
             config["chat_template"] = template
         return _json_safe(config)
