@@ -275,6 +275,8 @@ def test_responses_api_text(server, client):
     for extra in ({"store": True}, {"previous_response_id": "resp_1"}, {"web_search": 1}):
         with pytest.raises(openai.BadRequestError, match=next(iter(extra))):
             client.responses.create(model=MODEL, input="hi", extra_body=extra)
+    with pytest.raises(openai.BadRequestError, match="text.verbosity='low' is not supported"):
+        client.responses.create(model=MODEL, input="hi", text={"verbosity": "low"})
     # vLLM's sampling extras act: the stop string ends the text the chat request ends at.
     stop = out.output_text[2:4]
     stopped = client.responses.create(**kwargs, extra_body={"ignore_eos": True, "stop": [stop]})

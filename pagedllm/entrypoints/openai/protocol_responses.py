@@ -8,8 +8,8 @@ and its translation into the chat request the engine runs (`to_chat_request`).
 features pagedllm does not have (`previous_response_id`, `store`, `background`,
 `conversation`, `include`, ...) are a 400 naming the field when set, and so is a field no
 Responses API defines; vLLM's sampling extras (`CHAT_EXTRAS`) pass to the chat request.
-`reasoning.effort` becomes the chat request's `reasoning_effort`; a reasoning summary is
-refused (the reasoning item carries the whole reasoning text).
+`reasoning.effort` becomes the chat request's `reasoning_effort` and `text.format` its
+`response_format`; their other keys (a reasoning summary, a verbosity) are refused by name.
 """
 
 from __future__ import annotations
@@ -112,7 +112,9 @@ class ResponsesRequest(BaseModel):
             "seed": self.seed,
             "request_id": self.request_id,
             "priority": self.priority,
-            "reasoning_effort": _reasoning_effort(self.reasoning),
+            "reasoning_effort": _only_key(
+                "reasoning", self.reasoning, "effort", "the reasoning item carries the whole text"
+            ),
         }
         chat.update((k, v) for k, v in (self.model_extra or {}).items() if k in CHAT_EXTRAS)
         if self.tools:
@@ -122,22 +124,22 @@ class ResponsesRequest(BaseModel):
             ]
         if self.tool_choice is not None:
             chat["tool_choice"] = _chat_tool_choice(self.tool_choice)
-        if self.text and self.text.get("format"):
-            chat["response_format"] = _chat_response_format(self.text["format"])
+        text_format = _only_key("text", self.text, "format", "pagedllm has no verbosity control")
+        if text_format:
+            chat["response_format"] = _chat_response_format(text_format)
         return ChatCompletionRequest.model_validate(chat)
 
 
-def _reasoning_effort(reasoning: dict[str, Any] | None) -> Any:
-    """`reasoning.effort` (None when absent); ValueError for anything else asked of it."""
-    if not reasoning:
-        return None
-    for key, value in reasoning.items():
-        if key != "effort" and value is not None:
+def _only_key(field: str, value: dict[str, Any] | None, key: str, why: str) -> Any:
+    """`value[key]` of an object field such as `reasoning` or `text` (None when absent); a
+    ValueError naming any other key that is set (`why` pagedllm cannot honour it)."""
+    for other, setting in (value or {}).items():
+        if other != key and setting is not None:
             raise ValueError(
-                f"reasoning.{key}={value!r} is not supported by pagedllm's Responses API "
-                "(only reasoning.effort; the reasoning item carries the whole reasoning text)"
+                f"{field}.{other}={setting!r} is not supported by pagedllm's Responses API "
+                f"(only {field}.{key}: {why})"
             )
-    return reasoning.get("effort")
+    return (value or {}).get(key)
 
 
 def _chat_tool_choice(choice: str | dict[str, Any]) -> Any:
