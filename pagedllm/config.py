@@ -46,6 +46,31 @@ def dtype_from_name(name: str) -> torch.dtype | None:
     return _DTYPES.get(name)
 
 
+# kv_cache_dtype values (vLLM's names) that keep the KV cache in fp8, scale 1.0: their dtype.
+FP8_KV_CACHE_DTYPES = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def kv_cache_dtype_str_to_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype of the KV-cache tensors for vLLM's `kv_cache_dtype` (vLLM's helper of
+    the same name): "auto" or the model dtype's own name keeps the model's dtype; "fp8" /
+    "fp8_e4m3" is float8_e4m3fn, "fp8_e5m2" float8_e5m2. Anything else (another 16/32-bit
+    dtype, vLLM's fp8_inc or fp8_ds_mla) is a ValueError naming the value."""
+    if kv_cache_dtype == "auto" or dtype_from_name(kv_cache_dtype) == model_dtype:
+        return model_dtype
+    if kv_cache_dtype in FP8_KV_CACHE_DTYPES:
+        return FP8_KV_CACHE_DTYPES[kv_cache_dtype]
+    model_name = str(model_dtype).removeprefix("torch.")
+    accepted = ["auto", model_name, *FP8_KV_CACHE_DTYPES]
+    raise ValueError(
+        f"kv_cache_dtype={kv_cache_dtype!r} is not supported; choose one of {accepted} "
+        f"('auto' and {model_name!r}: the model's dtype; fp8 is e4m3, scale 1.0)"
+    )
+
+
 def cpu_has_bf16_kernels() -> bool:
     """Whether pagedllm's own GEMMs run bf16 weights on this CPU where oneDNN would emulate
     them (AVX2 + FMA: `layers/cpu_gemm.py`); then bf16 decodes faster than fp32 (half the
@@ -182,6 +207,9 @@ class CacheConfig:
 
     block_size: int = 16
     enable_prefix_caching: bool = True
+    # vLLM's kv_cache_dtype as given ("auto", the model dtype's name, "fp8", "fp8_e4m3",
+    # "fp8_e5m2"); `EngineConfig.kv_cache_torch_dtype` is the tensors' dtype it resolves to.
+    cache_dtype: str = "auto"
     kv_cache_memory_bytes: int | None = None  # bytes; None -> CPU default / GPU profiling
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
@@ -624,6 +652,12 @@ class EngineConfig:
     stall_timeout_s: float = 60.0
     # Later features hang their own sub-config here (speculative, structured outputs, kv transfer).
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """The dtype of the KV-cache tensors: what sizes, allocates, moves and hashes blocks
+        (the model's dtype unless `cache_config.cache_dtype` asks for fp8)."""
+        return kv_cache_dtype_str_to_dtype(self.cache_config.cache_dtype, self.model_config.dtype)
 
 
 def env_flag(name: str, default: bool = False) -> bool:

@@ -4,8 +4,11 @@ several caches so that a call's K/V come from memory as in a real step (one laye
 each), except "in cache", which reuses one small cache. Prints microseconds per call (median
 of 9 passes) and the K/V bytes read per second.
 
-    python scripts/cpu_decode_attention.py
+    python scripts/cpu_decode_attention.py [--fp8]
     python scripts/cpu_decode_attention.py BATCH CONTEXT [ROUNDS]
+
+--fp8: each case also over an fp8 (e4m3) cache, the two alternated case by case, 3 times
+(kv_cache_dtype="fp8": each item's rows widened to bf16 before the same kernel).
 
 With BATCH and CONTEXT it times that one case (SmolLM2's heads, 30 caches) call by call, with
 4 MB of other memory written before each call, as a decode step's weights flush the caches
@@ -27,13 +30,26 @@ import torch
 from pagedllm.ops import cpu_ops
 
 
-def time_case(ops, B, L, caches=30, H=9, HKV=3, D=64, in_cache=False, bs=16, flushed=0):
+def time_case(
+    ops,
+    B,
+    L,
+    caches=30,
+    H=9,
+    HKV=3,
+    D=64,
+    in_cache=False,
+    bs=16,
+    flushed=0,
+    kv_dtype=torch.bfloat16,
+):
     """(microseconds per call, GB/s of K/V read); flushed > 0: the median of `flushed` rounds
-    of calls timed one by one, each after writing 4 MB elsewhere."""
+    of calls timed one by one, each after writing 4 MB elsewhere. kv_dtype: the cache's (an
+    fp8 cache holds 1 byte an element; queries stay bf16)."""
     g = torch.Generator().manual_seed(0)
     blocks_per_req = -(-L // bs)
     nb = 16 if in_cache else B * blocks_per_req + 8
-    kvs = [torch.randn(2, nb, bs, HKV, D, generator=g).bfloat16() for _ in range(caches)]
+    kvs = [torch.randn(2, nb, bs, HKV, D, generator=g).to(kv_dtype) for _ in range(caches)]
     if in_cache:
         table = torch.randint(0, nb, (B, blocks_per_req), generator=g).int()
     else:
@@ -60,16 +76,18 @@ def time_case(ops, B, L, caches=30, H=9, HKV=3, D=64, in_cache=False, bs=16, flu
                 ops.paged_decode_attention(q, kv, table, lens, L, D**-0.5)
             times.append((time.perf_counter() - t0) / len(kvs))
     seconds = statistics.median(times)
-    return seconds * 1e6, B * L * HKV * D * 2 * 2 / seconds / 1e9
+    return seconds * 1e6, B * L * HKV * D * 2 * kvs[0].element_size() / seconds / 1e9
 
 
 def main() -> None:
     ops = cpu_ops()
     if ops is None:
         raise SystemExit("needs pagedllm's native kernels")
-    if len(sys.argv) > 2:
-        B, L = int(sys.argv[1]), int(sys.argv[2])
-        rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 20
+    fp8 = "--fp8" in sys.argv
+    argv = [a for a in sys.argv if a != "--fp8"]
+    if len(argv) > 2:
+        B, L = int(argv[1]), int(argv[2])
+        rounds = int(argv[3]) if len(argv) > 3 else 20
         us, gbs = time_case(ops, B, L, flushed=rounds)
         print(f"{B} x {L} tokens, flushed between calls: {us:,.1f} us a call ({gbs:.1f} GB/s)")
         return
@@ -81,11 +99,24 @@ def main() -> None:
         "32 x 300 tokens, 16/4 heads of 128": dict(B=32, L=300, H=16, HKV=4, D=128, caches=10),
     }
     print(f"threads {torch.get_num_threads()}")
-    print("| case | us a call | K/V GB/s |")
-    print("|---|---|---|")
+    if not fp8:
+        print("| case | us a call | K/V GB/s |")
+        print("|---|---|---|")
+        for name, kw in cases.items():
+            us, gbs = time_case(ops, **kw)
+            print(f"| {name} | {us:,.1f} | {gbs:.1f} |")
+        return
+    print("| case | bf16 cache: us a call (GB/s) | fp8 cache: us a call (GB/s) | bf16 / fp8 time |")
+    print("|---|---|---|---|")
     for name, kw in cases.items():
-        us, gbs = time_case(ops, **kw)
-        print(f"| {name} | {us:,.1f} | {gbs:.1f} |")
+        runs = {torch.bfloat16: [], torch.float8_e4m3fn: []}
+        for _ in range(3):
+            for dtype, got in runs.items():
+                got.append(time_case(ops, **kw, kv_dtype=dtype))
+        (b_us, b_gbs), (f_us, f_gbs) = (min(r) for r in runs.values())
+        print(
+            f"| {name} | {b_us:,.1f} ({b_gbs:.1f}) | {f_us:,.1f} ({f_gbs:.1f}) | {b_us / f_us:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

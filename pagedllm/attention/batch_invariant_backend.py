@@ -19,6 +19,9 @@ own query and its keys 0..p: the same in a prefill, a chunk of one, a decode, a 
 one or of hundreds; grouping and chunking (which bound the [rows, H, L, D] temporaries)
 change no row's numbers.
 
+An fp8 cache (`kv_cache_dtype`) takes the torch backend's quantized write; its K/V are read
+back as the float32 above, exactly (attention/fp8_kv.py), so the order argument is unchanged.
+
 The cost: O(rows * H * L * D) memory traffic in float32 with no matrix-multiply kernel, a
 few times the default backends' time (see BENCHMARKS.md).
 """

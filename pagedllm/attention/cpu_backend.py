@@ -1,10 +1,11 @@
 """Paged attention on the CPU: decodes read K/V straight from the paged cache (native kernel).
 
 `CpuAttentionBackend` is `TorchAttentionBackend` except for decode requests (query_len 1) of
-bf16 and fp32 caches: instead of gathering their blocks into a padded buffer and masking, one native
-call (`torch.ops.pagedllm.paged_decode_attention`, `pagedllm/ops/csrc/attention.h`) walks
-each request's block table, one (request, KV head) pair per work item, its query heads
-sharing every K/V row read. Multi-token queries (prefills, their chunks, prefix-cache hits,
+bf16 and fp32 models, over caches in their dtype or fp8 (`kv_cache_dtype`): instead of
+gathering their blocks into a padded buffer and masking, one native call
+(`torch.ops.pagedllm.paged_decode_attention`, `pagedllm/ops/csrc/attention.h`) walks each
+request's block table, one (request, KV head) pair per work item, its query heads sharing
+every K/V row read. Multi-token queries (prefills, their chunks, prefix-cache hits,
 speculative tokens) go to the native prefill kernel on AVX2 CPUs (`paged_prefill_attention`:
 all of a step's in one call, causal, K/V from the paged cache, an online softmax over blocks of
 8 keys); elsewhere, or for a head size it lacks, the SDPA path. The step's K/V rows go into the
@@ -60,7 +61,8 @@ class CpuAttentionMetadata(TorchAttentionMetadata):
 
 class CpuAttentionBackend(TorchAttentionBackend):
     """`TorchAttentionBackend` with decodes attended by the native paged kernel; for bf16
-    and fp32 KV caches (the selector picks it only then), with `ops` = `torch.ops.pagedllm`."""
+    and fp32 models with KV caches in their dtype or fp8 (the selector picks it only then),
+    with `ops` = `torch.ops.pagedllm`."""
 
     name = "cpu"
     metadata_cls = CpuAttentionMetadata

@@ -4,10 +4,12 @@ Backends, by vLLM's names:
 - `TORCH_SDPA` (`TorchAttentionBackend`: SDPA over gathered paged blocks): runs on the CPU and
   CUDA; the reference every other backend is tested against.
 - `CPU_ATTN` (`CpuAttentionBackend`: the torch backend with decodes attended by the native
-  paged kernel of `pagedllm.ops`): the CPU default for bf16 KV caches when the native ops
+  paged kernel of `pagedllm.ops`): the CPU default for bf16 and fp32 models whose KV cache
+  the native kernels take (`NATIVE_KV_DTYPES`: the model's dtype or fp8) when the native ops
   are available; otherwise the CPU gets TORCH_SDPA.
 - `TRITON_ATTN` (`TritonAttentionBackend`: the Triton kernels): the CUDA default. On the CPU
-  it runs only in Triton's interpreter (`TRITON_INTERPRET=1`, for tests).
+  it runs only in Triton's interpreter (`TRITON_INTERPRET=1`, for tests). Its kernels keep
+  the cache in the model's dtype: with an fp8 cache CUDA's default is TORCH_SDPA instead.
 
 - `BATCH_INVARIANT` (`BatchInvariantAttentionBackend`: one fixed summation order per query
   row): only, and always, with `batch_invariant=True` (never named by hand).
@@ -27,7 +29,8 @@ import torch
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.cpu_backend import CpuAttentionBackend
 from pagedllm.attention.torch_backend import TorchAttentionBackend
-from pagedllm.ops import NATIVE_DTYPES, cpu_ops
+from pagedllm.config import FP8_KV_CACHE_DTYPES
+from pagedllm.ops import NATIVE_DTYPES, NATIVE_KV_DTYPES, cpu_ops
 from pagedllm.ops.triton import HAS_TRITON, triton_usable
 
 logger = logging.getLogger(__name__)
@@ -36,11 +39,20 @@ ATTENTION_BACKENDS = ("TORCH_SDPA", "CPU_ATTN", "TRITON_ATTN")
 ATTENTION_BACKEND_ENV = "PAGEDLLM_ATTENTION_BACKEND"
 
 
-def check_attention_backend_name(name: str) -> str:
-    """`name` upper-cased if it is a known backend; else a ValueError naming it."""
+def check_attention_backend_name(name: str, kv_cache_dtype: torch.dtype | None = None) -> str:
+    """`name` upper-cased if it is a known backend that keeps a KV cache of `kv_cache_dtype`
+    (None: any); else a ValueError naming what does not fit."""
     if name.upper() not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={name!r} is not one of {list(ATTENTION_BACKENDS)}")
-    return name.upper()
+    name = name.upper()
+    if name == "TRITON_ATTN" and _is_fp8(kv_cache_dtype):
+        raise ValueError(
+            f"kv_cache_dtype (an fp8 cache, {str(kv_cache_dtype).removeprefix('torch.')}) "
+            "cannot be combined with attention_backend='TRITON_ATTN': its Triton kernels keep "
+            "the KV cache in the model's dtype; use attention_backend='TORCH_SDPA' or "
+            "kv_cache_dtype='auto'"
+        )
+    return name
 
 
 def get_attn_backend(
@@ -48,33 +60,40 @@ def get_attn_backend(
     kv_cache_dtype: torch.dtype | None = None,
     attention_backend: str | None = None,
     batch_invariant: bool = False,
+    model_dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
-    """The attention backend for `device` ("cpu", "cuda", "cuda:1" or a torch.device) and a
-    KV cache of `kv_cache_dtype`: `attention_backend`, else $PAGEDLLM_ATTENTION_BACKEND, else
-    the device's default. `batch_invariant`: `BATCH_INVARIANT` (no other may be named)."""
+    """The attention backend for `device` ("cpu", "cuda", "cuda:1" or a torch.device), a KV
+    cache of `kv_cache_dtype` and queries of `model_dtype` (None: `kv_cache_dtype`'s):
+    `attention_backend`, else $PAGEDLLM_ATTENTION_BACKEND, else the device's default.
+    `batch_invariant`: `BATCH_INVARIANT` (no other may be named)."""
     device_type = torch.device(device).type
     if batch_invariant:
         return _batch_invariant_backend(device_type, attention_backend)
     if device_type not in ("cpu", "cuda"):
         raise ValueError(f"device={str(device)!r} has no attention backend; use 'cpu' or 'cuda'")
+    native = kv_cache_dtype in NATIVE_KV_DTYPES and (model_dtype or kv_cache_dtype) in NATIVE_DTYPES
     name = attention_backend or os.environ.get(ATTENTION_BACKEND_ENV) or None
     if name is None:
         if device_type == "cuda":
+            if _is_fp8(kv_cache_dtype):
+                logger.info("fp8 KV cache: CUDA attention runs TORCH_SDPA, not TRITON_ATTN")
+                return TorchAttentionBackend()
             if triton_usable(device):
                 return _triton_backend()
             logger.warning("Triton is not installed: CUDA attention falls back to TORCH_SDPA")
             return TorchAttentionBackend()
-        ops = cpu_ops() if kv_cache_dtype in NATIVE_DTYPES else None
+        ops = cpu_ops() if native else None
         return CpuAttentionBackend(ops) if ops is not None else TorchAttentionBackend()
-    name = check_attention_backend_name(name)
+    name = check_attention_backend_name(name, kv_cache_dtype)
     if name == "TORCH_SDPA":
         return TorchAttentionBackend()
     if name == "CPU_ATTN":
-        ops = cpu_ops() if device_type == "cpu" and kv_cache_dtype in NATIVE_DTYPES else None
+        ops = cpu_ops() if device_type == "cpu" and native else None
         if ops is None:
             raise ValueError(
-                "attention_backend='CPU_ATTN' needs the CPU, a bfloat16 or float32 KV cache and "
-                "pagedllm's native ops (pagedllm.ops; PAGEDLLM_CPU_KERNELS not 0)"
+                "attention_backend='CPU_ATTN' needs the CPU, a bfloat16 or float32 model with a "
+                "KV cache in its dtype or fp8 (kv_cache_dtype) and pagedllm's native ops "
+                "(pagedllm.ops; PAGEDLLM_CPU_KERNELS not 0)"
             )
         return CpuAttentionBackend(ops)
     if not triton_usable(device):
@@ -87,6 +106,10 @@ def get_attn_backend(
         )
         raise ValueError(f"attention_backend='TRITON_ATTN' cannot run on {device_type}: {why}")
     return _triton_backend()
+
+
+def _is_fp8(dtype: torch.dtype | None) -> bool:
+    return dtype in FP8_KV_CACHE_DTYPES.values()
 
 
 def _batch_invariant_backend(device_type: str, attention_backend: str | None) -> AttentionBackend:

@@ -28,6 +28,12 @@ runs over the scheduled requests, split by `build_metadata` into two kinds of wo
 Everything the layers share (group membership, block-id index tensors, masks, row indices and
 the host-side bounds of each call) is built once in `build_metadata`; `forward` only issues
 the scatter, gathers and SDPA calls, and never synchronizes with the device.
+
+An fp8 cache (`kv_cache_dtype`, attention/fp8_kv.py) stores the rows quantized and the gathers
+widen the blocks back to the query's dtype (one more copy, into a second workspace); a prefill
+without context attends to the fp8 round trip of its own rows, so a request reads the same
+K/V whether or not its tokens came from the cache (prefix-cache hit, earlier chunk,
+preemption). A cache in the query's dtype takes none of these steps.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.backend import AttentionBackend, CommonAttentionMetadata
+from pagedllm.attention.fp8_kv import as_stored, quantize_kv, storage_view
 
 # A further batched SDPA call costs about as much as attending over this many padded key
 # positions (CPU, a few heads of size 64-128); used only to decide when to split a group.
@@ -95,26 +102,30 @@ class TorchAttentionMetadata:
     # CPU (the allocator hands them back to the OS and page-faults them in again).
     workspace: dict[tuple[torch.dtype, torch.device], torch.Tensor] = field(default_factory=dict)
 
+    def _buffer(
+        self, dtype: torch.dtype, device: torch.device, n: int, block_numel: int
+    ) -> torch.Tensor:
+        """The step's workspace of `dtype` as [2, n, block_numel]."""
+        buf = self.workspace.get((dtype, device))
+        if buf is None or buf.numel() < 2 * self.max_gather_blocks * block_numel:
+            buf = torch.empty((2, self.max_gather_blocks, block_numel), dtype=dtype, device=device)
+            self.workspace[(dtype, device)] = buf
+        return buf.view(-1)[: 2 * n * block_numel].view(2, n, block_numel)
+
     def gather_kv(
-        self, kv_cache: torch.Tensor, block_ids: torch.Tensor
+        self, kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Whole blocks `block_ids` of keys and values, each [n, block_size * Hkv * D]."""
+        """Whole blocks `block_ids` of keys and values in `dtype` (the query's), each
+        [n, block_size * Hkv * D]."""
         num_blocks_total = kv_cache.shape[1]
         block_numel = kv_cache[0, 0].numel()
-        key = (kv_cache.dtype, kv_cache.device)
-        buf = self.workspace.get(key)
-        if buf is None or buf.numel() < 2 * self.max_gather_blocks * block_numel:
-            buf = torch.empty(
-                (2, self.max_gather_blocks, block_numel),
-                dtype=kv_cache.dtype,
-                device=kv_cache.device,
-            )
-            self.workspace[key] = buf
         n = block_ids.shape[0]
-        buf = buf.view(-1)[: 2 * n * block_numel].view(2, n, block_numel)
-        k = torch.index_select(kv_cache[0].view(num_blocks_total, -1), 0, block_ids, out=buf[0])
-        v = torch.index_select(kv_cache[1].view(num_blocks_total, -1), 0, block_ids, out=buf[1])
-        return k, v
+        buf = self._buffer(kv_cache.dtype, kv_cache.device, n, block_numel)
+        torch.index_select(kv_cache[0].view(num_blocks_total, -1), 0, block_ids, out=buf[0])
+        torch.index_select(kv_cache[1].view(num_blocks_total, -1), 0, block_ids, out=buf[1])
+        if kv_cache.dtype != dtype:  # an fp8 cache: widened exactly (attention/fp8_kv.py)
+            buf = self._buffer(dtype, kv_cache.device, n, block_numel).copy_(buf)
+        return buf[0], buf[1]
 
 
 def _split_by_length(
@@ -308,13 +319,18 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         metadata: TorchAttentionMetadata,
     ) -> None:
-        """Scatter the step's real key/value rows into their cache slots."""
+        """Scatter the step's real key/value rows into their cache slots (quantized into an
+        fp8 cache)."""
         n = metadata.num_actual_tokens
         if n == 0:
             return
         row = key.shape[1] * key.shape[2]
-        kv_cache[0].view(-1, row).index_copy_(0, metadata.slot_mapping, key[:n].reshape(n, row))
-        kv_cache[1].view(-1, row).index_copy_(0, metadata.slot_mapping, value[:n].reshape(n, row))
+        k, v = key[:n].reshape(n, row), value[:n].reshape(n, row)
+        if kv_cache.dtype != key.dtype:
+            k, v = quantize_kv(k, kv_cache.dtype), quantize_kv(v, kv_cache.dtype)
+            kv_cache, k, v = storage_view(kv_cache), storage_view(k), storage_view(v)
+        kv_cache[0].view(-1, row).index_copy_(0, metadata.slot_mapping, k)
+        kv_cache[1].view(-1, row).index_copy_(0, metadata.slot_mapping, v)
 
     @staticmethod
     def _attend_group(
@@ -329,7 +345,7 @@ class TorchAttentionBackend(AttentionBackend):
         num_kv_heads = kv_cache.shape[3]
         B, Q, L = g.num_reqs, g.max_query_len, g.num_blocks * meta.block_size
         # Whole-block gathers: [B * num_blocks, block_size * Hkv * D] -> [B, Hkv, L, D] (view).
-        k, v = meta.gather_kv(kv_cache, g.block_ids)
+        k, v = meta.gather_kv(kv_cache, g.block_ids, query.dtype)
         k = k.view(B, L, num_kv_heads, head_size).transpose(1, 2)
         v = v.view(B, L, num_kv_heads, head_size).transpose(1, 2)
         q = query[g.q_rows] if isinstance(g.q_rows, slice) else query.index_select(0, g.q_rows)
@@ -366,12 +382,13 @@ class TorchAttentionBackend(AttentionBackend):
         gqa = num_heads != num_kv_heads
         if p.mask is None:
             q = query[p.start : p.end].transpose(0, 1)[None]  # [1, H, Q, D]
-            k = key[p.start : p.end].transpose(0, 1)[None]  # [1, Hkv, Q, D]
-            v = value[p.start : p.end].transpose(0, 1)[None]
+            k = as_stored(key[p.start : p.end], kv_cache.dtype).transpose(0, 1)[None]
+            v = as_stored(value[p.start : p.end], kv_cache.dtype).transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
             out[p.start : p.end] = o[0].transpose(0, 1)  # [Q, H, D]
             return
-        k, v = meta.gather_kv(kv_cache, p.block_ids)  # [num_blocks, block_size * Hkv * D]
+        # [num_blocks, block_size * Hkv * D]
+        k, v = meta.gather_kv(kv_cache, p.block_ids, query.dtype)
         k = k.view(-1, num_kv_heads, head_size).transpose(0, 1)[None]  # [1, Hkv, Lpad, D]
         v = v.view(-1, num_kv_heads, head_size).transpose(0, 1)[None]
         chunk_rows = p.mask.shape[0]

@@ -26,8 +26,8 @@ from pagedllm.config import (
     ParallelConfig,
     SchedulerConfig,
     StructuredOutputsConfig,
-    dtype_from_name,
     env_flag,
+    kv_cache_dtype_str_to_dtype,
     parse_pp_layer_partition,
     resolve_dtype,
 )
@@ -160,7 +160,7 @@ class EngineArgs:
             ),
             generation_config=generation_config,
         )
-        _check_kv_cache_dtype(self.kv_cache_dtype, model_config.dtype)
+        kv_cache_dtype = kv_cache_dtype_str_to_dtype(self.kv_cache_dtype, model_config.dtype)
         max_num_batched_tokens = self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         if not self.enable_chunked_prefill:
             max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
@@ -176,6 +176,7 @@ class EngineArgs:
         cache_config = CacheConfig(
             block_size=self.block_size,
             enable_prefix_caching=self.enable_prefix_caching,
+            cache_dtype=self.kv_cache_dtype,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
@@ -206,7 +207,7 @@ class EngineArgs:
         if self.attention_backend is not None:
             from pagedllm.attention.selector import check_attention_backend_name
 
-            check_attention_backend_name(self.attention_backend)
+            check_attention_backend_name(self.attention_backend, kv_cache_dtype)
         structured_outputs_config = StructuredOutputsConfig.from_dict(
             self.structured_outputs_config, self.reasoning_parser
         )
@@ -358,17 +359,6 @@ class EngineArgs:
 ALIASES = {"kv_cache_memory": "kv_cache_memory_bytes"}
 
 
-def _check_kv_cache_dtype(kv_cache_dtype: str, model_dtype: Any) -> None:
-    """vLLM's kv_cache_dtype: the cache is kept in the model's dtype, so "auto" (or that
-    dtype's name) is all pagedllm takes; fp8 caches are refused by name."""
-    if kv_cache_dtype != "auto" and dtype_from_name(kv_cache_dtype) != model_dtype:
-        model_name = str(model_dtype).removeprefix("torch.")
-        raise ValueError(
-            f"kv_cache_dtype={kv_cache_dtype!r} is not supported: pagedllm keeps the KV cache "
-            f"in the model's dtype ({model_name}); pass 'auto'"
-        )
-
-
 def _check_hf_overrides(overrides: Any) -> Any:
     """vLLM's hf_overrides: a dict (its keys config attributes) or a callable taking and
     returning the config; None or {} for none."""
@@ -504,8 +494,9 @@ _HELP = {
     "activations quantized per token to int16 at run time).",
     "max_model_len": "Longest prompt + output (default: the model's max_position_embeddings).",
     "block_size": "Tokens per KV-cache block.",
-    "kv_cache_dtype": "auto (the model's dtype, the only one pagedllm keeps the cache in; fp8 "
-    "caches are refused).",
+    "kv_cache_dtype": "auto (the model's dtype), fp8 / fp8_e4m3 (float8_e4m3fn) or fp8_e5m2: "
+    "the KV cache's dtype; fp8 holds twice the tokens of bf16 in the same memory (stored with "
+    "scale 1.0, saturated at the format's largest value; not with TRITON_ATTN).",
     "override_generation_config": "A JSON object over the generation config's sampling "
     "defaults, e.g. '{\"temperature\": 0.5}' (merged with --generation-config's).",
     "enable_prefix_caching": "Reuse KV blocks of shared prompt prefixes.",

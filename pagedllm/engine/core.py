@@ -61,11 +61,12 @@ class EngineCore:
         self.step_times = StepTimes()
         self.block_map = BlockMap()
         logger.info(
-            "EngineCore ready in %.1fs: %d KV blocks of %d tokens (%d tokens)",
+            "EngineCore ready in %.1fs: %d KV blocks of %d tokens (%d tokens, %s)",
             time.monotonic() - t0,
             self.num_blocks,
             config.cache_config.block_size,
             self.num_blocks * config.cache_config.block_size,
+            str(config.kv_cache_torch_dtype).removeprefix("torch."),
         )
 
     def _initialize_kv_cache(self) -> int:

@@ -12,6 +12,10 @@ import torch
 from pagedllm.ops.build import cpu_ops, kernels_enabled
 
 NATIVE_DTYPES = (torch.bfloat16, torch.float32)  # what the CPU kernels take
+# The KV cache dtypes the CPU attention kernels read and write (with bf16 / fp32 queries): the
+# model's own, or fp8 (kv_cache_dtype="fp8" / "fp8_e4m3" / "fp8_e5m2", scale 1: stored with
+# saturation at the format's largest finite value, rounded to nearest even).
+NATIVE_KV_DTYPES = (*NATIVE_DTYPES, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def row_ops(x: torch.Tensor):
@@ -23,4 +27,4 @@ def row_ops(x: torch.Tensor):
     return None
 
 
-__all__ = ["NATIVE_DTYPES", "cpu_ops", "kernels_enabled", "row_ops"]
+__all__ = ["NATIVE_DTYPES", "NATIVE_KV_DTYPES", "cpu_ops", "kernels_enabled", "row_ops"]

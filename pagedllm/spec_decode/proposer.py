@@ -117,16 +117,17 @@ class PagedModelProposer(Proposer):
         self.block_size = config.cache_config.block_size
         self.max_model_len = config.model_config.max_model_len
         self.dtype = config.model_config.dtype
+        self.kv_cache_dtype = config.kv_cache_torch_dtype  # the target's: one backend reads both
         self.model: nn.Module | None = None
         self.backend: AttentionBackend | None = None
         self.kv_caches: list[torch.Tensor] = []
 
     def kv_cache_bytes_per_block(self) -> int:
-        return kv_cache_bytes_per_block(self.model, self.block_size, self.dtype)
+        return kv_cache_bytes_per_block(self.model, self.block_size, self.kv_cache_dtype)
 
     def initialize_kv_cache(self, num_blocks: int, backend: AttentionBackend) -> None:
         self.kv_caches = allocate_kv_caches(
-            self.model, backend, num_blocks, self.block_size, self.dtype, self.device
+            self.model, backend, num_blocks, self.block_size, self.kv_cache_dtype, self.device
         )
         self.backend = backend
 

@@ -167,7 +167,7 @@ def profile_run(runner: ModelRunner, num_tokens: int, num_reqs: int) -> None:
     table = np.zeros((num_reqs, int(blocks.max())), dtype=np.int32)
     table[np.arange(table.shape[1]) < blocks[:, None]] = np.arange(int(blocks.sum()))
     allocate_kv_caches(
-        runner.model, runner.attn_backend, int(blocks.sum()), bs, runner.dtype, device
+        runner.model, runner.attn_backend, int(blocks.sum()), bs, runner.kv_cache_dtype, device
     )
     common, positions = CommonAttentionMetadata.for_spans(
         table, np.zeros(num_reqs, dtype=np.int64), lens, bs, device

@@ -133,10 +133,15 @@ class ModelRunner:
         self.device = device
         self.block_size = config.cache_config.block_size
         self.dtype = config.model_config.dtype
+        self.kv_cache_dtype = config.kv_cache_torch_dtype  # the model's, or fp8
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler(batch_invariant=config.batch_invariant)
         self.attn_backend = get_attn_backend(
-            device, self.dtype, config.attention_backend, config.batch_invariant
+            device,
+            self.kv_cache_dtype,
+            config.attention_backend,
+            config.batch_invariant,
+            model_dtype=self.dtype,
         )
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -183,7 +188,7 @@ class ModelRunner:
             self.drafter.load_model(load_target_heads(self.config, self.device))
 
     def kv_cache_bytes_per_block(self) -> int:
-        per_layer = kv_cache_bytes_per_block(self.model, self.block_size, self.dtype)
+        per_layer = kv_cache_bytes_per_block(self.model, self.block_size, self.kv_cache_dtype)
         if self.drafter is not None:  # a draft model / EAGLE head keeps its own KV per block
             per_layer += self.drafter.kv_cache_bytes_per_block()
         return per_layer
@@ -191,7 +196,12 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate one paged KV tensor per attention layer and bind it to the layer."""
         self.kv_caches = allocate_kv_caches(
-            self.model, self.attn_backend, num_blocks, self.block_size, self.dtype, self.device
+            self.model,
+            self.attn_backend,
+            num_blocks,
+            self.block_size,
+            self.kv_cache_dtype,
+            self.device,
         )
         if self.drafter is not None:
             self.drafter.initialize_kv_cache(num_blocks, self.attn_backend)

@@ -117,10 +117,11 @@ class Worker:
         usable = sched.max_num_seqs * (-(-sched.max_model_len // cache.block_size) + 1)
         num_blocks = min(cache.DEFAULT_CPU_KV_CACHE_BYTES // per_block, usable)
         logger.info(
-            "KV cache: %d blocks, %.1f MiB (the default %d GiB, capped at max_num_seqs=%d "
+            "KV cache: %d blocks, %.1f MiB of %s (the default %d GiB, capped at max_num_seqs=%d "
             "requests of max_model_len=%d tokens; --kv-cache-memory-bytes sets it)",
             num_blocks,
             num_blocks * per_block / 2**20,
+            str(self.config.kv_cache_torch_dtype).removeprefix("torch."),
             cache.DEFAULT_CPU_KV_CACHE_BYTES >> 30,
             sched.max_num_seqs,
             sched.max_model_len,

@@ -35,6 +35,41 @@ def test_cpu_attn_explicitly(monkeypatch):
         assert isinstance(get_attn_backend("cpu", dtype), CpuAttentionBackend)
 
 
+def test_fp8_caches_take_the_native_backend_with_bf16_and_fp32_queries_only(monkeypatch):
+    """kv_cache_dtype fp8: the selector gets the cache's dtype; the native kernels take fp8
+    caches with bf16 / fp32 queries, an fp16 model's go to TORCH_SDPA."""
+    monkeypatch.delenv(ATTENTION_BACKEND_ENV, raising=False)
+    monkeypatch.setattr(selector, "cpu_ops", lambda: object())  # native ops available
+    for cache in (torch.float8_e4m3fn, torch.float8_e5m2):
+        for model in (torch.bfloat16, torch.float32):
+            backend = get_attn_backend("cpu", cache, model_dtype=model)
+            assert isinstance(backend, CpuAttentionBackend)
+        backend = get_attn_backend("cpu", cache, model_dtype=torch.float16)
+        assert type(backend) is TorchAttentionBackend
+        with pytest.raises(ValueError, match="CPU_ATTN.*fp8"):
+            get_attn_backend("cpu", cache, "CPU_ATTN", model_dtype=torch.float16)
+
+
+def test_triton_refuses_an_fp8_cache(monkeypatch, tiny_llama_dir):
+    """The Triton kernels keep the model's dtype: named with an fp8 cache it is an error at
+    engine start; CUDA's default then is TORCH_SDPA."""
+    monkeypatch.delenv(ATTENTION_BACKEND_ENV, raising=False)
+    monkeypatch.setattr(selector, "triton_usable", lambda device: True)
+    fp8 = torch.float8_e4m3fn
+    assert type(get_attn_backend("cuda", fp8, model_dtype=torch.bfloat16)) is TorchAttentionBackend
+    match = "kv_cache_dtype .*fp8.* cannot be combined with attention_backend='TRITON_ATTN'"
+    with pytest.raises(ValueError, match=match):
+        get_attn_backend("cuda", fp8, "TRITON_ATTN")
+    monkeypatch.setenv(ATTENTION_BACKEND_ENV, "TRITON_ATTN")
+    with pytest.raises(ValueError, match=match):
+        get_attn_backend("cuda", torch.float8_e5m2)
+    args = EngineArgs(
+        model=tiny_llama_dir, device="cpu", kv_cache_dtype="fp8", attention_backend="TRITON_ATTN"
+    )
+    with pytest.raises(ValueError, match=match):
+        args.create_engine_config()
+
+
 def test_cuda_default_is_triton_where_triton_runs(monkeypatch):
     monkeypatch.delenv(ATTENTION_BACKEND_ENV, raising=False)
     monkeypatch.setattr(selector, "triton_usable", lambda device: True)

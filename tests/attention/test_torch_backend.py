@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -338,3 +339,61 @@ def test_split_by_length():
     cuts = torch_backend._split_by_length(skewed, overhead=1, max_ranges=3)
     assert len(cuts) == 3 and cuts[0][0] == 0 and cuts[-1][1] == len(skewed)
     assert all(a[1] == b[0] for a, b in zip(cuts, cuts[1:]))
+
+
+def _fp8(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """What an fp8 cache stores for `x`: saturated at the format's largest value, rounded."""
+    bound = torch.finfo(cache_dtype).max
+    return x.float().clamp(-bound, bound).to(cache_dtype)
+
+
+def fp8_batch(spec, cache_dtype: torch.dtype, dtype: torch.dtype, **kwargs) -> Batch:
+    """`Batch` over an fp8 cache: the context already written is stored as fp8, and the dense
+    history the reference reads is what the cache gives back (the new rows' too)."""
+    batch = Batch(spec, dtype=dtype, device="cpu", **kwargs)
+    batch.kv_cache = _fp8(batch.kv_cache, cache_dtype)
+    batch.k_hist = [_fp8(k, cache_dtype).to(dtype) for k in batch.k_hist]
+    batch.v_hist = [_fp8(v, cache_dtype).to(dtype) for v in batch.v_hist]
+    return batch
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_fp8_cache_attends_to_the_stored_kv(scenario, dtype, cache_dtype):
+    """kv_cache_dtype fp8: every row attends to K/V as the cache stores them, whether they
+    were in the cache before the step (context) or are written by it (a prefill without
+    context included), at the query dtype's precision; the new rows land quantized."""
+    spec = SCENARIOS[scenario]
+    batch = fp8_batch(
+        spec, cache_dtype, dtype, block_size=8, num_heads=8, num_kv_heads=2, head_size=32, seed=9
+    )
+    out = run(batch, TorchAttentionBackend(max_batched_query_len=4))
+    assert out.dtype == dtype and batch.kv_cache.dtype == cache_dtype
+    check(batch, out)
+    flat = batch.kv_cache.view(2, -1, 2, 32)
+    for r, (ctx, q_len) in enumerate(spec):
+        slots = batch.slots(r, ctx, ctx + q_len)
+        assert torch.equal(flat[0, slots].float(), batch.k_hist[r][ctx:].float())
+        assert torch.equal(flat[1, slots].float(), batch.v_hist[r][ctx:].float())
+
+
+def check_fp8_write_saturates(backend: TorchAttentionBackend, cache_dtype: torch.dtype) -> None:
+    """Values past the format's range are stored as its largest finite value (a bare cast
+    to e5m2 would store inf), NaN stays NaN."""
+    big = torch.finfo(cache_dtype).max
+    cache = torch.zeros(backend.get_kv_cache_shape(1, 8, 1, 4), dtype=cache_dtype)
+    one = np.array([0, 1]), np.array([1]), np.zeros((1, 1), np.int32), np.array([0])
+    common = CommonAttentionMetadata.from_numpy(*one, block_size=8, device=torch.device("cpu"))
+    key = torch.tensor([[[1e9, -1e9, 1.0, 0.3]]])  # [T, Hkv, D]
+    value = torch.tensor([[[float("inf"), float("-inf"), float("nan"), -2.5]]])
+    backend.write_kv(key, value, cache, backend.build_metadata(common))
+    k, v = cache[0, 0, 0, 0].float(), cache[1, 0, 0, 0].float()
+    rounded = _fp8(key[0, 0, 3], cache_dtype).float()  # 0.3 is no fp8 value
+    assert k[:2].tolist() == [big, -big] and k[2] == 1.0 and k[3] == rounded != 0.3
+    assert v[:2].tolist() == [big, -big] and v[2].isnan() and v[3] == -2.5
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_write_saturates(cache_dtype):
+    check_fp8_write_saturates(TorchAttentionBackend(), cache_dtype)

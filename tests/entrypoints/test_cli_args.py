@@ -103,18 +103,29 @@ def test_override_generation_config_merges_over_each_mode(tiny_llama_dir, tmp_pa
         _parser().parse_args(["--override-generation-config", "[0.1]"])
 
 
-@pytest.mark.parametrize("value", ["fp8", "fp8_e5m2", "fp8_e4m3", "float16"])
-def test_kv_cache_dtype_other_than_the_models_is_refused_by_name(tiny_llama_dir, value):
-    """The cache is kept in the model's dtype: "auto" or that dtype's name is accepted, any
-    other kv_cache_dtype (fp8 above all) is an error naming it, never ignored."""
+@pytest.mark.parametrize("value", ["fp8_inc", "fp8_ds_mla", "float16", "int8"])
+def test_kv_cache_dtype_other_than_the_models_or_fp8_is_refused_by_name(tiny_llama_dir, value):
+    """The cache is kept in the model's dtype ("auto" or that dtype's name) or in fp8; any
+    other kv_cache_dtype is an error naming it, never ignored."""
     args = EngineArgs(model=tiny_llama_dir, device="cpu", dtype="float32", kv_cache_dtype=value)
     with pytest.raises(ValueError, match=f"kv_cache_dtype='{value}' is not supported"):
         args.create_engine_config()
-    for ok in ("auto", "float32"):
+    for ok, dtype in [("auto", "float32"), ("float32", "float32"), ("fp8", "float8_e4m3fn")]:
         config = EngineArgs(
             model=tiny_llama_dir, device="cpu", dtype="float32", kv_cache_dtype=ok
         ).create_engine_config()
         assert str(config.model_config.dtype) == "torch.float32"
+        assert str(config.kv_cache_torch_dtype) == f"torch.{dtype}"
+
+
+def test_kv_cache_dtype_flag(tiny_llama_dir):
+    """`pagedllm serve --kv-cache-dtype fp8_e5m2` reaches the engine config as vLLM's string."""
+    cli = ["--model", tiny_llama_dir, "--kv-cache-dtype", "fp8_e5m2", "--device", "cpu"]
+    args = _parser().parse_args(cli)
+    assert args.kv_cache_dtype == "fp8_e5m2"
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    assert config.cache_config.cache_dtype == "fp8_e5m2"
+    assert str(config.kv_cache_torch_dtype) == "torch.float8_e5m2"
     assert _parser().parse_args(["--kv-cache-dtype", "auto"]).kv_cache_dtype == "auto"
 
 

@@ -122,6 +122,7 @@ def test_missing_model_fails_before_the_server_starts(tmp_path, module):
     "flags, message",
     [
         (["--dtype", "float8"], "dtype='float8' is not supported"),
+        (["--kv-cache-dtype", "fp8_inc"], "kv_cache_dtype='fp8_inc' is not supported"),
         (["--reasoning-parser", "nope"], "reasoning_parser='nope' is not available"),
         (["--chat-template", "/no/such/template.jinja"], "is neither a file nor a Jinja template"),
         (["--port", "99999"], "cannot listen on 127.0.0.1:99999"),

@@ -49,12 +49,13 @@ def test_linear_by_rows_gives_each_row_its_batch_of_one_bits(dtype):
         assert torch.equal(batched[i], linear_by_rows(linear, rows[start : i + 3])[i - start])
 
 
-def _engine(model_dir: str, batch_invariant: bool, dtype: str = "float32"):
+def _engine(model_dir: str, batch_invariant: bool, dtype: str, kv_cache_dtype: str):
     from pagedllm.engine.llm_engine import LLMEngine
 
     args = EngineArgs(
         model=model_dir,
         dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
         device="cpu",
         batch_invariant=batch_invariant,
         max_num_seqs=64,
@@ -122,12 +123,16 @@ def _other(rng: random.Random, shared_prefix: list[int], k: int):
 
 
 def _differences(
-    model_dir: str, batch_invariant: bool, trials: int, dtype: str = "float32"
+    model_dir: str,
+    batch_invariant: bool,
+    trials: int,
+    dtype: str = "float32",
+    kv_cache_dtype: str = "auto",
 ) -> list[str]:
     """Each target alone, then inside `trials` random batches of 1-64 other requests
     arriving over the first steps (targets too); the targets whose output changed."""
     rng = random.Random(1234)
-    engine = _engine(model_dir, batch_invariant, dtype)
+    engine = _engine(model_dir, batch_invariant, dtype, kv_cache_dtype)
     try:
         targets = _targets(rng)
         alone = {}
@@ -149,9 +154,15 @@ def _differences(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype, trials", [("float32", 12), ("bfloat16", 3)])
-def test_outputs_are_bitwise_identical_alone_and_in_any_batch(tiny_llama_dir, dtype, trials):
-    assert _differences(tiny_llama_dir, batch_invariant=True, trials=trials, dtype=dtype) == []
+@pytest.mark.parametrize(
+    "dtype, kv_cache_dtype, trials",
+    [("float32", "auto", 12), ("bfloat16", "auto", 3), ("float32", "fp8", 3)],
+)
+def test_outputs_are_bitwise_identical_alone_and_in_any_batch(
+    tiny_llama_dir, dtype, kv_cache_dtype, trials
+):
+    changed = _differences(tiny_llama_dir, True, trials, dtype, kv_cache_dtype)
+    assert changed == []
 
 
 @pytest.mark.slow
@@ -184,14 +195,15 @@ def test_what_the_mode_cannot_vouch_for_is_refused(tiny_llama_dir, kwargs, field
         args.create_engine_config()
 
 
-def _attend_steps(backend, steps, qkv, num_blocks=32, block_size=16):
+def _attend_steps(backend, steps, qkv, cache_dtype=torch.float32, num_blocks=32, block_size=16):
     """Run `steps` (each a list of (request, first position, rows)) through `backend` over
-    one cache; request r's tokens are `qkv[r]` = (q, k, v) [n, H(kv), D] and its blocks are
-    r * 8 ... . Returns {(request, position): output row [H, D]}."""
+    one cache of `cache_dtype`; request r's tokens are `qkv[r]` = (q, k, v) [n, H(kv), D] and
+    its blocks are r * 8 ... . Returns {(request, position): output row [H, D]}."""
     from pagedllm.attention.backend import CommonAttentionMetadata
 
     h_kv, d = qkv[0][1].shape[1:]
-    cache = torch.zeros(backend.get_kv_cache_shape(num_blocks, block_size, h_kv, d))
+    shape = backend.get_kv_cache_shape(num_blocks, block_size, h_kv, d)
+    cache = torch.zeros(shape, dtype=cache_dtype)
     table = torch.arange(num_blocks, dtype=torch.int32).view(-1, 8).numpy()
     rows = {}
     for step in steps:
@@ -208,11 +220,15 @@ def _attend_steps(backend, steps, qkv, num_blocks=32, block_size=16):
     return rows
 
 
-@pytest.mark.parametrize("invariant", [True, False])
-def test_attention_row_is_the_same_in_prefill_chunks_decodes_and_batches(invariant):
+@pytest.mark.parametrize(
+    "invariant, cache_dtype",
+    [(True, torch.float32), (False, torch.float32), (True, torch.float8_e4m3fn)],
+)
+def test_attention_row_is_the_same_in_prefill_chunks_decodes_and_batches(invariant, cache_dtype):
     """One request's row 39 computed four ways: a 40-token prefill; chunks of 24 + 16; a
     decode after 39 prefilled; that decode batched with two others of other lengths (and a
-    prefill). The mode's backend gives one answer; the default torch backend does not."""
+    prefill). The mode's backend gives one answer, over an fp8 cache too; the default torch
+    backend does not."""
     from pagedllm.attention.batch_invariant_backend import BatchInvariantAttentionBackend
     from pagedllm.attention.torch_backend import TorchAttentionBackend
 
@@ -227,14 +243,14 @@ def test_attention_row_is_the_same_in_prefill_chunks_decodes_and_batches(invaria
         [[(0, 0, 39)], [(0, 39, 1)]],
         [[(0, 0, 39), (1, 0, 61), (2, 0, 5)], [(2, 5, 1), (0, 39, 1), (1, 61, 1), (3, 0, 30)]],
     ]
-    results = [_attend_steps(backend, steps, qkv)[(0, 39)] for steps in ways]
+    results = [_attend_steps(backend, steps, qkv, cache_dtype)[(0, 39)] for steps in ways]
     same = [torch.equal(results[0], r) for r in results[1:]]
     if invariant:
         assert all(same)
     else:
         assert not all(same)  # what the mode is there to remove
     # Every way is the same attention, numerically (GQA heads included): SDPA's prefill.
-    reference = _attend_steps(TorchAttentionBackend(), ways[0], qkv)[(0, 39)]
+    reference = _attend_steps(TorchAttentionBackend(), ways[0], qkv, cache_dtype)[(0, 39)]
     for r in results:
         torch.testing.assert_close(r, reference, rtol=1e-5, atol=1e-6)
 

@@ -5,12 +5,13 @@ and `block_dim` is found from the attention backend's `get_kv_cache_shape` (the 
 grows with the number of blocks), so a backend may lay keys, values, heads and tokens out as it
 likes. Every layer must have the same block shape and dtype (true of every model here), so a
 block's bytes over all layers form one `[num_layers, block_numel]` array: the unit that tiers
-store and the network sends.
+store and the network sends. Blocks move as they are stored, an fp8 cache's (`kv_cache_dtype`)
+byte for byte, never converted.
 
-`kv_cache_fingerprint` names what stored blocks are only valid for (the weights, the KV dtype
-and the block size): stores on disk keep their files in a directory of that name, so a restart
-with another model never reads blocks of the old one; `claim_layout` makes sure the blocks in
-such a directory are laid out as this engine's are.
+`kv_cache_fingerprint` names what stored blocks are only valid for (the weights, the model and
+KV dtypes and the block size): stores on disk keep their files in a directory of that name, so
+a restart with another model never reads blocks of the old one; `claim_layout` makes sure the
+blocks in such a directory are laid out as this engine's are.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+from pagedllm.attention.fp8_kv import storage_view
 
 if TYPE_CHECKING:
     from pagedllm.attention.backend import AttentionBackend
@@ -89,7 +92,7 @@ class PagedKVBlocks:
         """Write `data` (`n` blocks of `block_numel` elements, any device) into blocks
         `block_ids` of layer `layer`."""
         src = data.to(self.device, self.dtype).reshape(len(block_ids), *self.block_shape)
-        self._views[layer].index_copy_(0, self._ids(block_ids), src)
+        storage_view(self._views[layer]).index_copy_(0, self._ids(block_ids), storage_view(src))
 
     def describe(self) -> dict[str, Any]:
         """The layout a peer must share to exchange blocks with this engine."""
@@ -119,13 +122,16 @@ def tensor_from_bytes(data: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> 
 def kv_cache_fingerprint(config: EngineConfig) -> str:
     """A short hex id of what KV blocks depend on besides their tokens: the model's config
     and weights (sampled: size plus the first and last MiB of every weights file; dummy
-    weights: their seed), the KV dtype and the block size. The same in every process that
-    loads the same checkpoint."""
+    weights: their seed), the model's dtype (K/V computed in it), the KV cache's dtype and the
+    block size. The same in every process that loads the same checkpoint."""
     mc = config.model_config
     h = hashlib.sha256()
     hf = mc.hf_config.to_dict() if hasattr(mc.hf_config, "to_dict") else vars(mc.hf_config)
     h.update(json.dumps(hf, sort_keys=True, default=str).encode())
-    h.update(json.dumps([str(mc.dtype), config.cache_config.block_size]).encode())
+    layout = [str(mc.dtype), config.cache_config.block_size]
+    if config.kv_cache_torch_dtype != mc.dtype:  # only then: a cache in the model's dtype
+        layout.append(str(config.kv_cache_torch_dtype))  # keeps the id it had before fp8
+    h.update(json.dumps(layout).encode())
     if config.load_config.load_format == "dummy":
         h.update(f"dummy weights, seed {mc.seed}".encode())
     model_dir = mc.model

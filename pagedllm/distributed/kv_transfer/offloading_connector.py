@@ -91,7 +91,7 @@ def kv_bytes_per_block(config: EngineConfig) -> int:
     """Bytes of one KV block over all of the model's layers (what the worker will find)."""
     mc = config.model_config
     per_layer = 2 * config.cache_config.block_size * mc.num_kv_heads * mc.head_dim
-    return mc.num_layers * per_layer * mc.dtype.itemsize
+    return mc.num_layers * per_layer * config.kv_cache_torch_dtype.itemsize
 
 
 class OffloadingConnector(KVConnectorBase_V1):

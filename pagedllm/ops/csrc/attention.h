@@ -33,13 +33,17 @@ struct DecodeAttnArgs {
   int64_t bt_stride;
   const int32_t* seq_lens;    // [B]
   float scale;
+  // Elements from one cache slot's row to the next's, and from one KV head's to the next's:
+  // Hkv * D and D in the paged cache; D and 0 where an item's rows were widened into a
+  // contiguous scratch of their own (fp8 caches, below).
+  int64_t kv_stride, kv_head_stride;
 
   // Token t's key (value: `value` true) row of request b, KV head kvh.
   inline const T* row(int64_t b, int64_t kvh, int64_t t, bool value) const {
     const int32_t* table = block_table + b * bt_stride;
     const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-    const int64_t stride = num_kv_heads * head_size;
-    return kv + (value ? num_blocks * block_size * stride : 0) + slot * stride + kvh * head_size;
+    return kv + (value ? num_blocks * block_size * kv_stride : 0) + slot * kv_stride +
+           kvh * kv_head_stride;
   }
 };
 
@@ -136,9 +140,9 @@ PAGEDLLM_AVX2_TARGET static inline const float* decode_block_rows(
     float* rows, int64_t& rs) {
   using T = typename E::T;
   constexpr int64_t D = 8 * C;
-  const int64_t bs = a.block_size, stride = a.num_kv_heads * D;
+  const int64_t bs = a.block_size, stride = a.kv_stride;
   const int32_t* table = a.block_table + b * a.bt_stride;
-  const T* base = a.kv + (value ? a.num_blocks * bs * stride : 0) + kvh * D;
+  const T* base = a.kv + (value ? a.num_blocks * bs * stride : 0) + kvh * a.kv_head_stride;
   const T* src = base + table[j0 / bs] * bs * stride;
   if (j0 + bs < L) {
     const char* next = reinterpret_cast<const char*>(base + table[j0 / bs + 1] * bs * stride);
@@ -633,10 +637,10 @@ struct DecodeChunks {
   int64_t requested = 0;  // the first token whose rows were not requested yet
 
   DecodeChunks(const DecodeAttnArgs<Bf16>& a, int64_t b, int64_t kvh, bool value)
-      : base(a.kv + (value ? a.num_blocks * a.block_size * a.num_kv_heads * a.head_size : 0) +
-             kvh * a.head_size),
+      : base(a.kv + (value ? a.num_blocks * a.block_size * a.kv_stride : 0) +
+             kvh * a.kv_head_stride),
         table(a.block_table + b * a.bt_stride), bs(a.block_size),
-        stride(a.num_kv_heads * a.head_size), L(a.seq_lens[b]),
+        stride(a.kv_stride), L(a.seq_lens[b]),
         row_bytes(a.head_size * 2) {}
 
   inline DecodeChunk at(int64_t j) const {

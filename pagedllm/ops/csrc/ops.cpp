@@ -12,12 +12,15 @@
 #include <atomic>
 #include <cstdlib>
 #include <memory>
+#include <numeric>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
 #include "attention.h"
 #include "attention_amx.h"
 #include "elementwise.h"
+#include "fp8.h"
 #include "gemm.h"
 #include "gemm_amx.h"
 #include "gemm_f32.h"
@@ -82,7 +85,7 @@ class ThreadScratch {
 
 // Tags of ThreadScratch's buffers.
 enum ScratchTag { kGemmAccScratch, kInt8XqScratch, kInt8ScaleScratch,
-                  kDecodeAttnScratch, kNormScratch };
+                  kDecodeAttnScratch, kNormScratch, kFp8RowsScratch };
 
 // The panel GEMMs' work on ATen's threads: item(m0, m1, p, c) for every (row block, panel)
 // pair of an M x N product, row block major; c: a row block's accumulators (Acc, kPanel a
@@ -791,11 +794,100 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 // memcpy per row (what two index_copy_ calls do at ~10 ns an element). Rows may be strided (the
 // K and V columns of the fused QKV output); each row's heads must be contiguous.
 // kv_cache: contiguous [2, num_blocks, block_size, Hkv, D] in dtype `like`'s.
+// (or of an fp8 dtype: fp8.h).
+void check_kv_cache(const at::Tensor& kv_cache, const at::Tensor& like);
+
+// The fp8 format of an fp8 KV cache; none for a cache in the model's dtype.
+std::optional<Fp8Kind> fp8_kind(const at::Tensor& kv_cache) {
+  if (kv_cache.scalar_type() == at::kFloat8_e4m3fn) return Fp8Kind::kE4M3;
+  if (kv_cache.scalar_type() == at::kFloat8_e5m2) return Fp8Kind::kE5M2;
+  return std::nullopt;
+}
+
 void check_kv_cache(const at::Tensor& kv_cache, const at::Tensor& like) {
-  check_like(kv_cache, like, "kv_cache");
+  if (!fp8_kind(kv_cache)) check_like(kv_cache, like, "kv_cache");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "kv_cache: contiguous [2, num_blocks, block_size, Hkv, D]");
 }
+
+// Writes rows of K and V heads (bf16 / fp32, E's) into their cache slots: copied into a cache
+// of their own dtype, stored as fp8 (fp8.h) into an fp8 one.
+struct KvRowWriter {
+  char* k_plane;
+  int64_t v_offset, row, elem;  // V plane - K plane (bytes); a slot's row (elements); bytes an element
+  std::optional<Fp8Kind> fp8;
+
+  explicit KvRowWriter(at::Tensor& kv_cache)
+      : k_plane(static_cast<char*>(kv_cache.data_ptr())),
+        row(kv_cache.size(3) * kv_cache.size(4)), elem(kv_cache.element_size()),
+        fp8(fp8_kind(kv_cache)) {
+    v_offset = kv_cache.size(1) * kv_cache.size(2) * row * elem;
+  }
+  // n elements of k and of v at element `offset` of slot `slot`'s row.
+  template <class T>
+  void put(int64_t slot, int64_t offset, const T* k, const T* v, int64_t n) const {
+    char* dst = k_plane + (slot * row + offset) * elem;
+    if (fp8) {
+      fp8_store_row(reinterpret_cast<uint8_t*>(dst), k, n, *fp8);
+      fp8_store_row(reinterpret_cast<uint8_t*>(dst + v_offset), v, n, *fp8);
+    } else {
+      std::memcpy(dst, k, n * sizeof(T));
+      std::memcpy(dst + v_offset, v, n * sizeof(T));
+    }
+  }
+};
+
+// An fp8 cache's rows of one (request, KV head), widened into a contiguous scratch of the
+// query's type, from where the bf16 / fp32 attention kernels read them: keys at rows [0, Lp),
+// values at [Lp, 2 Lp), D elements a row. `args` has the paged cache's shape, block table and
+// seq_lens (its kv pointer unused); `local` reads the scratch (block table: the identity).
+template <class E>
+struct Fp8Rows {
+  using T = typename E::T;
+  const uint8_t* cache;
+  int64_t slots, Lp;
+  Fp8Kind kind;
+  std::vector<int32_t> identity;  // block i of the scratch is block i
+
+  Fp8Rows(const at::Tensor& kv_cache, int64_t max_len, Fp8Kind kind)
+      : cache(static_cast<const uint8_t*>(kv_cache.data_ptr())),
+        slots(kv_cache.size(1) * kv_cache.size(2)), kind(kind) {
+    const int64_t bs = kv_cache.size(2), blocks = (max_len + bs - 1) / bs;
+    Lp = blocks * bs;
+    identity.resize(blocks);
+    std::iota(identity.begin(), identity.end(), 0);
+  }
+  // Widens tokens [from, to) of request b, KV head kvh into rows, the local args' kv: a
+  // cache block's rows at a time, requesting those kLookahead tokens ahead into L2 meanwhile
+  // (the blocks lie anywhere; the bf16 kernel's DecodeChunks does the same).
+  void widen(const DecodeAttnArgs<E>& args, int64_t b, int64_t kvh, int64_t from, int64_t to,
+             T* rows) const {
+    constexpr int64_t kLookahead = 64;
+    const int64_t D = args.head_size, stride = args.num_kv_heads * D, bs = args.block_size;
+    const int32_t* table = args.block_table + b * args.bt_stride;
+    for (int64_t plane = 0; plane < 2; ++plane) {
+      const uint8_t* base = cache + plane * slots * stride + kvh * D;
+      const auto at = [&](int64_t t) { return base + (int64_t(table[t / bs]) * bs + t % bs) * stride; };
+      for (int64_t t = from; t < to;) {
+        const int64_t n = std::min(to - t, bs - t % bs), ahead = t + kLookahead;
+        const int64_t ahead_n = ahead < to ? std::min({n, to - ahead, bs - ahead % bs}) : 0;
+        fp8_widen_rows(rows + (plane * Lp + t) * D, at(t), n, stride, D, kind,
+                       ahead_n ? at(ahead) : nullptr, ahead_n);
+        t += n;
+      }
+    }
+  }
+  DecodeAttnArgs<E> local(const DecodeAttnArgs<E>& args, const T* rows) const {
+    DecodeAttnArgs<E> l = args;
+    l.kv = rows;
+    l.num_blocks = Lp / args.block_size;
+    l.block_table = identity.data();
+    l.bt_stride = 0;
+    l.kv_stride = args.head_size;
+    l.kv_head_stride = 0;
+    return l;
+  }
+};
 
 // slot_mapping: int64, each a slot of a cache of `slots`; their values.
 const int64_t* checked_slots(const at::Tensor& slot_mapping, int64_t slots) {
@@ -820,6 +912,16 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   const int64_t n = slot_mapping.numel();
   TORCH_CHECK(n <= key.size(0) && n <= value.size(0), "slot_mapping has more rows than key / value");
   const int64_t* slot = checked_slots(slot_mapping, slots);
+  if (fp8_kind(kv_cache)) {
+    const KvRowWriter cache(kv_cache);
+    by_dtype(key, "key", [&]<class E>() {
+      at::parallel_for(0, n, row_grain(2 * row), [&](int64_t b, int64_t e) {
+        for (int64_t t = b; t < e; ++t)
+          cache.put(slot[t], 0, data<E>(key) + t * key.stride(0), data<E>(value) + t * value.stride(0), row);
+      });
+    });
+    return;
+  }
   const int64_t bytes = row * key.element_size();
   char* k_cache = static_cast<char*>(kv_cache.data_ptr());
   char* v_cache = k_cache + slots * bytes;
@@ -852,11 +954,25 @@ at::Tensor decode_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache
   // (AVX2 kernel) a block of widened rows.
   const int64_t scratch =
       G * (max_seq_len + 2 * D + 1) + std::max(G * (max_seq_len + 1) / 2, (kv_cache.size(2) + 1) * D);
+  const std::optional<Fp8Kind> fp8 = fp8_kind(kv_cache);
   by_dtype(q, "query", [&]<class E>() {
     DecodeAttnArgs<E> a{data<E>(out), data<E>(q), q.stride(0), data<E>(kv_cache),
                         kv_cache.size(1), kv_cache.size(2), H, Hkv, D,
                         block_table.data_ptr<int32_t>(), block_table.stride(0),
-                        seq_lens.data_ptr<int32_t>(), static_cast<float>(scale)};
+                        seq_lens.data_ptr<int32_t>(), static_cast<float>(scale), Hkv * D, D};
+    if (fp8) {  // each item's rows widened first, then the same kernels on them
+      const Fp8Rows<E> widened(kv_cache, max_seq_len, *fp8);
+      at::parallel_for(0, B * Hkv, 1, [&](int64_t b, int64_t e) {
+        const ThreadScratch<float, kDecodeAttnScratch> own(scratch);
+        const ThreadScratch<typename E::T, kFp8RowsScratch> rows(2 * widened.Lp * D);
+        for (int64_t i = b; i < e; ++i) {
+          before(E{}, i / Hkv, i % Hkv);
+          widened.widen(a, i / Hkv, i % Hkv, 0, a.seq_lens[i / Hkv], rows.get());
+          decode_item(widened.local(a, rows.get()), i / Hkv, i % Hkv, own.get());
+        }
+      });
+      return;
+    }
     at::parallel_for(0, B * Hkv, 1, [&](int64_t b, int64_t e) {
       const ThreadScratch<float, kDecodeAttnScratch> own(scratch);
       float* buf = own.get();
@@ -900,8 +1016,8 @@ at::Tensor decode_rope_cache_attention(const at::Tensor& qkv, int64_t q_size, in
   const int64_t* pos = checked_positions(positions, cos_sin_cache, rot);
   const int64_t* slot = checked_slots(slot_mapping, kv_cache.size(1) * kv_cache.size(2));
   const float* cs = cos_sin_cache.data_ptr<float>();
-  const int64_t group = q_size / kv_size, ld = qkv.stride(0), row = kv_size;  // cache row: Hkv x D
-  const int64_t v_plane = kv_cache.size(1) * kv_cache.size(2) * row;
+  const int64_t group = q_size / kv_size, ld = qkv.stride(0);
+  const KvRowWriter cache(kv_cache);
   at::Tensor q = qkv.narrow(1, 0, q_size).view({T, q_size / head_size, head_size});
   return decode_attention_impl(
       q, kv_cache, block_table, seq_lens, max_seq_len, scale, [&]<class E>(E, int64_t b, int64_t h) {
@@ -914,9 +1030,7 @@ at::Tensor decode_rope_cache_attention(const at::Tensor& qkv, int64_t q_size, in
         norms.apply<E>(k, 1, head_size, true);
         rope(r + h * group * head_size, group, head_size, rot, c);
         rope(k, 1, head_size, rot, c);
-        V* kc = data<E>(kv_cache) + slot[b] * row + h * head_size;
-        std::memcpy(kc, k, head_size * sizeof(V));
-        std::memcpy(kc + v_plane, k + kv_size, head_size * sizeof(V));
+        cache.put(slot[b], h * head_size, k, k + kv_size, head_size);
       });
 }
 
@@ -929,12 +1043,10 @@ void paged_prefill_attention(const at::Tensor& q, at::Tensor& out, const at::Ten
                              const at::Tensor& query_start_loc, const at::Tensor& reqs,
                              double scale) {
   TORCH_CHECK(cpu_has_avx2_fma(), "pagedllm::paged_prefill_attention needs AVX2 and FMA");
-  check_like(kv_cache, q, "kv_cache");
+  check_kv_cache(kv_cache, q);
   check_like(out, q, "out");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "query: [T, H, D] rows");
   TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out: contiguous, query's shape");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
-              "kv_cache: contiguous [2, num_blocks, block_size, Hkv, D]");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1, "block_table: int32");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens: int32");
   TORCH_CHECK(query_start_loc.scalar_type() == at::kLong && query_start_loc.is_contiguous() &&
@@ -953,7 +1065,9 @@ void paged_prefill_attention(const at::Tensor& q, at::Tensor& out, const at::Ten
   const bool amx = bf16 && prefill_amx_applies(D);
   const bool tiles = bf16 && !amx && prefill_tiles_head_size(D) && cpu_has_avx512_bf16();
   const int64_t item_rows = amx || tiles ? kPrefillTileRows : kPrefillRows;
+  const std::optional<Fp8Kind> fp8 = fp8_kind(kv_cache);
   std::vector<int64_t> items;  // request, row block, KV head
+  int64_t max_len = 0;
   for (int64_t i = 0; i < reqs.numel(); ++i) {
     const int64_t r = rp[i];
     TORCH_CHECK(r >= 0 && r < seq_lens.numel(), "request ", r, " out of range");
@@ -961,8 +1075,15 @@ void paged_prefill_attention(const at::Tensor& q, at::Tensor& out, const at::Ten
     TORCH_CHECK(qsl[r] >= 0 && qsl[r + 1] <= q.size(0) && qlen >= 0 && qlen <= lens[r] &&
                     (lens[r] + kv_cache.size(2) - 1) / kv_cache.size(2) <= block_table.size(1),
                 "request ", r, ": query rows / seq_len / block table disagree");
-    for (int64_t r0 = 0; r0 < qlen; r0 += item_rows)
-      for (int64_t h = 0; h < Hkv; ++h) items.insert(items.end(), {r, r0, h});
+    max_len = std::max<int64_t>(max_len, lens[r]);
+    // An fp8 cache's items go row block innermost: a thread that takes the next row block of
+    // the same request and head widens only the keys that block adds.
+    if (fp8)
+      for (int64_t h = 0; h < Hkv; ++h)
+        for (int64_t r0 = 0; r0 < qlen; r0 += item_rows) items.insert(items.end(), {r, r0, h});
+    else
+      for (int64_t r0 = 0; r0 < qlen; r0 += item_rows)
+        for (int64_t h = 0; h < Hkv; ++h) items.insert(items.end(), {r, r0, h});
   }
   const int64_t total = static_cast<int64_t>(items.size()) / 3;
   if (total == 0) return;
@@ -970,27 +1091,51 @@ void paged_prefill_attention(const at::Tensor& q, at::Tensor& out, const at::Ten
     DecodeAttnArgs<E> a{data<E>(out), data<E>(q), q.stride(0), data<E>(kv_cache),
                         kv_cache.size(1), kv_cache.size(2), H, Hkv, D,
                         block_table.data_ptr<int32_t>(), block_table.stride(0), lens,
-                        static_cast<float>(scale)};
+                        static_cast<float>(scale), Hkv * D, D};
+    std::optional<Fp8Rows<E>> widened;
+    if (fp8) widened.emplace(kv_cache, max_len, *fp8);
     std::atomic<int64_t> next{0};
-    // kernel(request, KV head, first row) for each item this thread claims.
+    // kernel(args, request, KV head, first row) for each item this thread claims; with an fp8
+    // cache, args read the item's keys widened into the thread's scratch (those it widened
+    // for its previous item stay, when that was of the same request and head).
     auto claim = [&](auto&& kernel) {
-      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < total;)
-        kernel(items[3 * i], items[3 * i + 2], items[3 * i + 1]);
+      if (!widened) {
+        for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < total;)
+          kernel(a, items[3 * i], items[3 * i + 2], items[3 * i + 1]);
+        return;
+      }
+      const ThreadScratch<typename E::T, kFp8RowsScratch> rows(2 * widened->Lp * D);
+      const DecodeAttnArgs<E> local = widened->local(a, rows.get());
+      int64_t cur_r = -1, cur_h = -1, done = 0;  // tokens [0, done) of (cur_r, cur_h) widened
+      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < total;) {
+        const int64_t r = items[3 * i], r0 = items[3 * i + 1], h = items[3 * i + 2];
+        const int64_t qlen = qsl[r + 1] - qsl[r];
+        const int64_t end = lens[r] - qlen + std::min(qlen, r0 + item_rows);
+        if (r != cur_r || h != cur_h) cur_r = r, cur_h = h, done = 0;
+        if (end > done) widened->widen(a, r, h, done, end, rows.get()), done = end;
+        kernel(local, r, h, r0);
+      }
     };
     at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), total), 1, [&](int64_t, int64_t) {
       if constexpr (std::is_same_v<E, Bf16>) {
         if (amx) {
-          claim([&](int64_t r, int64_t h, int64_t r0) { prefill_item_amx(a, qsl, r, h, r0); });
+          claim([&](const DecodeAttnArgs<E>& args, int64_t r, int64_t h, int64_t r0) {
+            prefill_item_amx(args, qsl, r, h, r0);
+          });
           amx_release();
           return;
         }
         if (tiles) {
-          claim([&](int64_t r, int64_t h, int64_t r0) { prefill_item_tiles_bf16(a, qsl, r, h, r0); });
+          claim([&](const DecodeAttnArgs<E>& args, int64_t r, int64_t h, int64_t r0) {
+            prefill_item_tiles_bf16(args, qsl, r, h, r0);
+          });
           return;
         }
       }
       std::vector<float> buf(prefill_scratch(H / Hkv, D));
-      claim([&](int64_t r, int64_t h, int64_t r0) { prefill_item(a, qsl, r, h, r0, buf.data()); });
+      claim([&](const DecodeAttnArgs<E>& args, int64_t r, int64_t h, int64_t r0) {
+        prefill_item(args, qsl, r, h, r0, buf.data());
+      });
     });
   });
 }

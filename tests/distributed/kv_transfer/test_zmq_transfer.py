@@ -24,10 +24,11 @@ NUM_BLOCKS, LAYERS = 8, 3
 SHAPE = (2, NUM_BLOCKS, 4, 2, 8)  # the torch backend's layout: blocks on dim 1
 
 
-def make_kv(seed: int | None) -> PagedKVBlocks:
+def make_kv(seed: int | None, dtype: torch.dtype = torch.float32) -> PagedKVBlocks:
+    """Caches of `dtype` (an fp8 one: as kv_cache_dtype="fp8" stores them), random or zero."""
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     caches = {
-        f"l{i}": torch.randn(SHAPE, generator=gen) if gen else torch.zeros(SHAPE)
+        f"l{i}": (torch.randn(SHAPE, generator=gen) if gen else torch.zeros(SHAPE)).to(dtype)
         for i in range(LAYERS)
     }
     return PagedKVBlocks(caches, block_dim=1)
@@ -90,6 +91,29 @@ def test_refused_pulls(ctx, sender, overrides, match):
     with pytest.raises(KVTransferError, match=match):
         pull(ctx, sender, make_kv(None), [0, 1], **overrides)
     assert sender.num_held == 0  # a refused pull still releases the blocks
+
+
+def test_fp8_blocks_move_byte_for_byte_and_only_into_fp8(ctx):
+    """kv_cache_dtype fp8: blocks arrive as their stored bytes; a puller whose cache keeps
+    another dtype is refused (its layout differs), never sent bytes it would misread."""
+    s = KVSender(make_kv(0, torch.float8_e4m3fn), "e", "127.0.0.1", free_port(), 30)
+    try:
+        s.register("r", [1, 3])
+        local = make_kv(None, torch.float8_e4m3fn)
+        request = {"engine_id": "e", "request_id": "r", "block_ids": [1, 3]}
+        pull_kv_blocks(ctx, local, "127.0.0.1", s.port, request, [5, 2], timeout_s=10)
+        for layer in range(LAYERS):
+            sent = s.kv.gather(layer, [1, 3]).view(torch.uint8)
+            assert torch.equal(local.gather(layer, [5, 2]).view(torch.uint8), sent)
+            assert sent.any()
+        s.register("r2", [1])
+        request = {**request, "request_id": "r2", "block_ids": [1]}
+        for other in (torch.float8_e5m2, torch.bfloat16):
+            with pytest.raises(KVTransferError, match="layout"):
+                pull_kv_blocks(ctx, make_kv(None, other), "127.0.0.1", s.port, request, [0], 10)
+            s.register("r2", [1])  # a refused pull releases the blocks
+    finally:
+        s.shutdown()
 
 
 def test_unpulled_blocks_expire():

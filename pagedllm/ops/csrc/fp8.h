@@ -1,0 +1,181 @@
+// fp8 KV caches (kv_cache_dtype "fp8" / "fp8_e4m3": torch.float8_e4m3fn; "fp8_e5m2":
+// torch.float8_e5m2), scale 1 as vLLM without checkpoint scales. A row is written from bf16 /
+// fp32 values saturated at the format's largest finite value and rounded to nearest even,
+// the bits `x.float().clamp(-M, M).to(torch.float8_*)` stores (NaN stays NaN); it is read
+// back widened exactly (every fp8 value is a bf16 and an fp32 value).
+//
+// The attention kernels never read fp8 rows themselves: an item (request, KV head) first
+// widens the rows it attends to into a contiguous scratch of the query's type, from where the
+// bf16 / fp32 kernels run unchanged (attention_fp8 in ops.cpp). The cache's bytes cross the
+// memory bus once, at half bf16's size; the widened copy stays in L1 / L2.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "common.h"
+
+namespace pagedllm {
+
+enum class Fp8Kind { kE4M3, kE5M2 };
+
+// 2^e as a compile-time float.
+constexpr float pow2f(int e) { return e >= 0 ? (e == 0 ? 1.f : 2.f * pow2f(e - 1)) : 0.5f * pow2f(e + 1); }
+
+// The format's bits of f (fp32): kMant mantissa bits, exponent bias kBias, largest finite value
+// kMax (e4m3fn: 3, 7, 448; e5m2: 2, 15, 57344). Branch-free, so loops over it vectorize.
+template <int kMant, int kBias>
+static inline uint8_t fp8_bits(float f, float kMax) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t sign = (u >> 24) & 0x80u;
+  float a = std::fabs(f);
+  const bool nan = !(a == a);
+  a = a < kMax ? a : kMax;
+  // Below the smallest normal 2^(1 - kBias) the step is 2^(1 - kBias - kMant): adding and
+  // subtracting 2^23 steps rounds to it (to nearest even), and a / step is the subnormal's
+  // bits (the smallest normal's when it rounds up: bits 1 << kMant, exponent 1 mantissa 0).
+  constexpr float kStepUp = pow2f(23 + 1 - kBias - kMant), kPerStep = pow2f(kBias - 1 + kMant);
+  const float sub = ((a + kStepUp) - kStepUp) * kPerStep;
+  // Normal: the fp32 bits rounded to kMant mantissa bits (a carry moves into the exponent),
+  // then the exponent rebiased from 127 to kBias.
+  uint32_t b;
+  std::memcpy(&b, &a, 4);
+  constexpr int kDrop = 23 - kMant;
+  b = (b + ((1u << (kDrop - 1)) - 1u) + ((b >> kDrop) & 1u)) >> kDrop;
+  const uint32_t normal = b - (static_cast<uint32_t>(127 - kBias) << kMant);
+  const uint32_t bits = a < pow2f(1 - kBias) ? static_cast<uint32_t>(sub) : normal;
+  return static_cast<uint8_t>(sign | (nan ? 0x7Fu : bits));
+}
+
+// dst[0..n) = src's n values (bf16 or fp32) as fp8 of `kind`.
+template <class E>
+PAGEDLLM_CLONES static void fp8_store_row_t(uint8_t* dst, const typename E::T* src, int64_t n,
+                                            Fp8Kind kind) {
+  if (kind == Fp8Kind::kE4M3)
+    for (int64_t i = 0; i < n; ++i) dst[i] = fp8_bits<3, 7>(E::load(src[i]), 448.f);
+  else
+    for (int64_t i = 0; i < n; ++i) dst[i] = fp8_bits<2, 15>(E::load(src[i]), 57344.f);
+}
+
+static inline void fp8_store_row(uint8_t* dst, const uint16_t* src, int64_t n, Fp8Kind kind) {
+  fp8_store_row_t<Bf16>(dst, src, n, kind);
+}
+static inline void fp8_store_row(uint8_t* dst, const float* src, int64_t n, Fp8Kind kind) {
+  fp8_store_row_t<Fp32>(dst, src, n, kind);
+}
+
+// The fp32 value of fp8 bits b of `kind` (the portable path's lookup tables are built with it).
+static inline float fp8_value(uint8_t b, Fp8Kind kind) {
+  const float sign = b & 0x80 ? -1.f : 1.f;
+  const int mant_bits = kind == Fp8Kind::kE4M3 ? 3 : 2, bias = kind == Fp8Kind::kE4M3 ? 7 : 15;
+  const int e = (b & 0x7F) >> mant_bits, m = b & ((1 << mant_bits) - 1);
+  if (kind == Fp8Kind::kE4M3 && (b & 0x7F) == 0x7F) return NAN;
+  if (kind == Fp8Kind::kE5M2 && e == 31) return m ? NAN : sign * INFINITY;
+  if (e == 0) return sign * std::ldexp(static_cast<float>(m), 1 - bias - mant_bits);
+  return sign * std::ldexp(1.f + static_cast<float>(m) / (1 << mant_bits), e - bias);
+}
+
+// 16 fp8 values of format K (bits in the low bytes of 16-bit lanes) -> 16 fp32 lanes: as fp16
+// bits (e5m2 is fp16's upper byte; e4m3 shifted into fp16's fields is the value times 2^-8,
+// subnormals included) widened by vcvtph2ps, e4m3 then times 2^8. Exact. (e4m3's NaN 0x7F
+// comes out finite; the cache holds NaN only where the model produced one.)
+template <Fp8Kind K>
+PAGEDLLM_AVX512_TARGET static inline __m512 fp8x16_to_ps(__m256i w) {
+  if constexpr (K == Fp8Kind::kE5M2) return _mm512_cvtph_ps(_mm256_slli_epi16(w, 8));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
+}
+
+// The bf16 bits of the 128 non-negative fp8 values of `kind` (bits 0 .. 127), as four
+// registers of 32 words: the table two word permutes look 32 values up in.
+struct Fp8Bf16Table {
+  uint16_t bits[2][128];
+  Fp8Bf16Table() {
+    for (int k = 0; k < 2; ++k)
+      for (int b = 0; b < 128; ++b) bits[k][b] = fp32_to_bf16(fp8_value(static_cast<uint8_t>(b), static_cast<Fp8Kind>(k)));
+  }
+};
+static const Fp8Bf16Table kFp8Bf16;
+
+// 32 fp8 values (bits in 16-bit lanes) -> their bf16 bits: the magnitude (7 bits) looked up,
+// the sign put back.
+PAGEDLLM_AVX512_TARGET static inline __m512i fp8x32_to_bf16(__m512i w, const __m512i t[4]) {
+  const __mmask32 high = _mm512_test_epi16_mask(w, _mm512_set1_epi16(0x40));
+  // vpermt2w reads index bits 0-5 only: bit 6 picks the table pair; the sign (bit 7) moves
+  // to bit 15.
+  const __m512i v = _mm512_mask_mov_epi16(_mm512_permutex2var_epi16(t[0], w, t[1]), high,
+                                          _mm512_permutex2var_epi16(t[2], w, t[3]));
+  return _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8));
+}
+
+// n fp8 rows of D values (format K), src_stride bytes apart from src, widened into D-element
+// rows at dst; meanwhile the ahead_n rows (same stride) from ahead are requested into L2, so a
+// walk over scattered cache blocks keeps the memory busy ahead of it.
+// bf16 rows by table lookup (32 values in 7 instructions), fp32 rows through fp16.
+template <Fp8Kind K, class T>
+PAGEDLLM_AVX512_TARGET static void fp8_widen_rows_avx512(T* dst, const uint8_t* src, int64_t n,
+                                                         int64_t src_stride, int64_t D,
+                                                         const uint8_t* ahead, int64_t ahead_n) {
+  __m512i table[4];
+  for (int i = 0; i < 4; ++i)
+    table[i] = _mm512_loadu_si512(kFp8Bf16.bits[static_cast<int>(K)] + 32 * i);
+  for (int64_t i = 0; i < n; ++i, src += src_stride, dst += D) {
+    if (i < ahead_n)
+      for (int64_t off = 0; off < D; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + i * src_stride + off), _MM_HINT_T1);
+    for (int64_t j = 0; j < D; j += 32) {
+      const __mmask32 m = D - j >= 32 ? ~__mmask32(0) : (__mmask32(1) << (D - j)) - 1;
+      const __m512i w = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m, src + j));
+      if constexpr (std::is_same_v<T, uint16_t>) {
+        _mm512_mask_storeu_epi16(dst + j, m, fp8x32_to_bf16(w, table));
+      } else {
+        _mm512_mask_storeu_ps(dst + j, static_cast<__mmask16>(m),
+                              fp8x16_to_ps<K>(_mm512_castsi512_si256(w)));
+        _mm512_mask_storeu_ps(dst + j + 16, static_cast<__mmask16>(m >> 16),
+                              fp8x16_to_ps<K>(_mm512_extracti64x4_epi64(w, 1)));
+      }
+    }
+  }
+}
+
+// The portable path: each value through a lookup table.
+template <class T>
+static void fp8_widen_rows_portable(T* dst, const uint8_t* src, int64_t n, int64_t src_stride,
+                                    int64_t D, Fp8Kind kind) {
+  static const auto tables = [] {
+    struct {
+      float v[2][256];
+    } t;
+    for (int b = 0; b < 256; ++b)
+      for (int k = 0; k < 2; ++k) t.v[k][b] = fp8_value(static_cast<uint8_t>(b), static_cast<Fp8Kind>(k));
+    return t;
+  }();
+  const float* table = tables.v[static_cast<int>(kind)];
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < D; ++j) {
+      const float v = table[src[i * src_stride + j]];
+      if constexpr (std::is_same_v<T, float>)
+        dst[i * D + j] = v;
+      else
+        dst[i * D + j] = fp32_to_bf16(v);
+    }
+}
+
+// fp8_widen_rows_avx512's work for rows of format `kind`, into bf16 (uint16_t) or fp32 rows,
+// on any CPU.
+template <class T>
+static void fp8_widen_rows(T* dst, const uint8_t* src, int64_t n, int64_t src_stride, int64_t D,
+                           Fp8Kind kind, const uint8_t* ahead, int64_t ahead_n) {
+  if (!cpu_has_avx512()) return fp8_widen_rows_portable(dst, src, n, src_stride, D, kind);
+  if (kind == Fp8Kind::kE4M3)
+    return fp8_widen_rows_avx512<Fp8Kind::kE4M3>(dst, src, n, src_stride, D, ahead, ahead_n);
+  fp8_widen_rows_avx512<Fp8Kind::kE5M2>(dst, src, n, src_stride, D, ahead, ahead_n);
+}
+
+}  // namespace pagedllm
