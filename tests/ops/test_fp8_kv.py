@@ -20,6 +20,16 @@ BF16 = torch.bfloat16
 FP8 = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
+@pytest.fixture(autouse=True, params=[True, False], ids=["vbmi", "no-vbmi"])
+def vbmi(request):
+    """bf16 rows widened by VBMI byte lookups (where the CPU has them) and without: the same
+    bits either way."""
+    default = ops.cpu_fp8_vbmi(None)
+    ops.cpu_fp8_vbmi(request.param)
+    yield request.param
+    ops.cpu_fp8_vbmi(default)
+
+
 def quantized(x: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
     """What an fp8 cache holds for x: saturated, rounded to nearest even by torch's cast."""
     m = FP8[fp8]

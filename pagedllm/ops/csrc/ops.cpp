@@ -1419,6 +1419,7 @@ TORCH_LIBRARY(pagedllm, m) {
   };
   m.def("cpu_int8_row_words(bool? use) -> bool", switch_op(&pagedllm::int8_row_words));
   m.def("cpu_int8_row_stream(bool? use) -> bool", switch_op(&pagedllm::int8_row_stream));
+  m.def("cpu_fp8_vbmi(bool? use) -> bool", switch_op(&pagedllm::fp8_vbmi));
   m.def("cpu_allow_amx(bool allowed) -> ()",
         [](bool allowed) { pagedllm::amx_allowed().store(allowed, std::memory_order_relaxed); });
   // GEMMs: CPU kernels (not catch-alls) so that build.py can give them fakes for torch.compile.
