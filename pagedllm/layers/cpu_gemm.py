@@ -188,6 +188,20 @@ def pack_linear_weight_(
     return True
 
 
+@torch.library.custom_op("pagedllm_compile::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's product with a weight prepacked by `_reorder_linear_weight`, as one opaque op
+    inside torch.compile graphs: Inductor's own lowering of `mkldnn._linear_pointwise` takes
+    only weights that are constants of the graph, and the packed weights are buffers (inputs
+    of the one graph every decoder block shares), so it failed to compile fp32 models."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
 def packed_linear(
     module: torch.nn.Module,
     x: torch.Tensor,
@@ -234,9 +248,12 @@ def _linear_2d(
             flat.contiguous(), module.weight_panels, bias, module.weight_out_features, out_fp32
         )
     if kind == "onednn":
-        y = torch.ops.mkldnn._linear_pointwise(
-            flat.contiguous(), module.weight_packed, bias, "none", [], ""
-        )
+        if torch.compiler.is_compiling():  # an opaque call in the graph (onednn_linear)
+            y = onednn_linear(flat.contiguous(), module.weight_packed, bias)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(
+                flat.contiguous(), module.weight_packed, bias, "none", [], ""
+            )
     elif module.weight.dtype == torch.int8:  # int8 without the native kernel: the reference
         return int8_linear(flat, module.weight, module.weight_scale, bias, out_dtype or flat.dtype)
     else:

@@ -60,6 +60,30 @@ def test_compiled_engine_keeps_greedy_output(quantization, tmp_path, monkeypatch
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "c" / "inductor")
 
 
+def test_inductor_compiles_oneDNN_packed_fp32_layers(tmp_path, monkeypatch, dynamo_reset):
+    """With Inductor itself (not the eager backend): fp32 weights prepacked for oneDNN are
+    buffers, which Inductor's lowering of mkldnn._linear_pointwise refused (an engine that
+    died on its first step); they go through one opaque op, and the output is eager's."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.layers.cpu_gemm import can_pack
+
+    if not can_pack(torch.zeros(8, 8)):
+        pytest.skip("no oneDNN weight packing here")
+    monkeypatch.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")
+    model_dir = make_demo_model(
+        tmp_path / "m", preset="tiny", seed=1, **TINY_ARCH_OVERRIDES["llama"], num_hidden_layers=2
+    )
+    prompts = [[5, 6, 7, 8, 9], list(range(20, 41))]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    kwargs = dict(model=model_dir, dtype="float32", num_gpu_blocks_override=16, max_model_len=64)
+    eager = LLM(**kwargs).generate([{"prompt_token_ids": p} for p in prompts], params)
+    llm = LLM(compilation_config={"level": 3, "cache_dir": str(tmp_path / "c")}, **kwargs)
+    layer = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner.model
+    assert "onednn" in {getattr(m, "cpu_gemm", None) for m in layer.modules()}
+    compiled = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [o.outputs[0].token_ids for o in compiled] == [o.outputs[0].token_ids for o in eager]
+
+
 def test_level_0_leaves_the_model_alone(tiny_llama_dir, make_engine_config):
     from pagedllm.models.loader import get_model
 
