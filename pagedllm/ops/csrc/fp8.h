@@ -6,7 +6,7 @@
 //
 // The attention kernels never read fp8 rows themselves: an item (request, KV head) first
 // widens the rows it attends to into a contiguous scratch of the query's type, from where the
-// bf16 / fp32 kernels run unchanged (attention_fp8 in ops.cpp). The cache's bytes cross the
+// bf16 / fp32 kernels run unchanged (`Fp8Rows` in ops.cpp). The cache's bytes cross the
 // memory bus once, at half bf16's size; the widened copy stays in L1 / L2.
 #pragma once
 
@@ -124,8 +124,9 @@ PAGEDLLM_AVX512_TARGET static void fp8_widen_rows_avx512(T* dst, const uint8_t* 
                                                          int64_t src_stride, int64_t D,
                                                          const uint8_t* ahead, int64_t ahead_n) {
   __m512i table[4];
-  for (int i = 0; i < 4; ++i)
-    table[i] = _mm512_loadu_si512(kFp8Bf16.bits[static_cast<int>(K)] + 32 * i);
+  if constexpr (std::is_same_v<T, uint16_t>)
+    for (int i = 0; i < 4; ++i)
+      table[i] = _mm512_loadu_si512(kFp8Bf16.bits[static_cast<int>(K)] + 32 * i);
   for (int64_t i = 0; i < n; ++i, src += src_stride, dst += D) {
     if (i < ahead_n)
       for (int64_t off = 0; off < D; off += 64)
@@ -152,26 +153,19 @@ PAGEDLLM_AVX512_TARGET static void fp8_widen_rows_avx512(T* dst, const uint8_t* 
   }
 }
 
-// The portable path: each value through a lookup table.
+// The portable path: each value's bf16 bits looked up (exact in fp32 too), its sign put back.
 template <class T>
 static void fp8_widen_rows_portable(T* dst, const uint8_t* src, int64_t n, int64_t src_stride,
                                     int64_t D, Fp8Kind kind) {
-  static const auto tables = [] {
-    struct {
-      float v[2][256];
-    } t;
-    for (int b = 0; b < 256; ++b)
-      for (int k = 0; k < 2; ++k) t.v[k][b] = fp8_value(static_cast<uint8_t>(b), static_cast<Fp8Kind>(k));
-    return t;
-  }();
-  const float* table = tables.v[static_cast<int>(kind)];
+  const uint16_t* table = kFp8Bf16.bits[static_cast<int>(kind)];
   for (int64_t i = 0; i < n; ++i)
     for (int64_t j = 0; j < D; ++j) {
-      const float v = table[src[i * src_stride + j]];
+      const uint8_t b = src[i * src_stride + j];
+      const uint16_t bits = table[b & 0x7F] | static_cast<uint16_t>((b & 0x80) << 8);
       if constexpr (std::is_same_v<T, float>)
-        dst[i * D + j] = v;
+        dst[i * D + j] = bf16_to_fp32(bits);
       else
-        dst[i * D + j] = fp32_to_bf16(v);
+        dst[i * D + j] = bits;
     }
 }
 

@@ -789,14 +789,6 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return out;
 }
 
-// kv_cache[0][slot_mapping[t]] = key[t], kv_cache[1][slot_mapping[t]] = value[t] for the
-// first n = slot_mapping.numel() rows: the step's K/V rows copied into their cache slots, one
-// memcpy per row (what two index_copy_ calls do at ~10 ns an element). Rows may be strided (the
-// K and V columns of the fused QKV output); each row's heads must be contiguous.
-// kv_cache: contiguous [2, num_blocks, block_size, Hkv, D] in dtype `like`'s.
-// (or of an fp8 dtype: fp8.h).
-void check_kv_cache(const at::Tensor& kv_cache, const at::Tensor& like);
-
 // The fp8 format of an fp8 KV cache; none for a cache in the model's dtype.
 std::optional<Fp8Kind> fp8_kind(const at::Tensor& kv_cache) {
   if (kv_cache.scalar_type() == at::kFloat8_e4m3fn) return Fp8Kind::kE4M3;
@@ -804,6 +796,7 @@ std::optional<Fp8Kind> fp8_kind(const at::Tensor& kv_cache) {
   return std::nullopt;
 }
 
+// kv_cache: contiguous [2, num_blocks, block_size, Hkv, D] in dtype `like`'s, or fp8 (fp8.h).
 void check_kv_cache(const at::Tensor& kv_cache, const at::Tensor& like) {
   if (!fp8_kind(kv_cache)) check_like(kv_cache, like, "kv_cache");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
@@ -899,6 +892,11 @@ const int64_t* checked_slots(const at::Tensor& slot_mapping, int64_t slots) {
   return slot;
 }
 
+// kv_cache[0][slot_mapping[t]] = key[t], kv_cache[1][slot_mapping[t]] = value[t] for the
+// first n = slot_mapping.numel() rows: the step's K/V rows put into their cache slots, one
+// memcpy per row into a cache of their dtype (what two index_copy_ calls do at ~10 ns an
+// element), stored as fp8 into an fp8 one (KvRowWriter). Rows may be strided (the K and V
+// columns of the fused QKV output); each row's heads must be contiguous.
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
                        const at::Tensor& slot_mapping) {
   check_like(value, key, "value");
@@ -912,27 +910,12 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   const int64_t n = slot_mapping.numel();
   TORCH_CHECK(n <= key.size(0) && n <= value.size(0), "slot_mapping has more rows than key / value");
   const int64_t* slot = checked_slots(slot_mapping, slots);
-  if (fp8_kind(kv_cache)) {
-    const KvRowWriter cache(kv_cache);
-    by_dtype(key, "key", [&]<class E>() {
-      at::parallel_for(0, n, row_grain(2 * row), [&](int64_t b, int64_t e) {
-        for (int64_t t = b; t < e; ++t)
-          cache.put(slot[t], 0, data<E>(key) + t * key.stride(0), data<E>(value) + t * value.stride(0), row);
-      });
+  const KvRowWriter cache(kv_cache);
+  by_dtype(key, "key", [&]<class E>() {
+    at::parallel_for(0, n, row_grain(2 * row), [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t)
+        cache.put(slot[t], 0, data<E>(key) + t * key.stride(0), data<E>(value) + t * value.stride(0), row);
     });
-    return;
-  }
-  const int64_t bytes = row * key.element_size();
-  char* k_cache = static_cast<char*>(kv_cache.data_ptr());
-  char* v_cache = k_cache + slots * bytes;
-  const char* k = static_cast<const char*>(key.data_ptr());
-  const char* v = static_cast<const char*>(value.data_ptr());
-  const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
-  at::parallel_for(0, n, row_grain(2 * row), [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      std::memcpy(k_cache + slot[t] * bytes, k + t * ks, bytes);
-      std::memcpy(v_cache + slot[t] * bytes, v + t * vs, bytes);
-    }
   });
 }
 
@@ -960,25 +943,22 @@ at::Tensor decode_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache
                         kv_cache.size(1), kv_cache.size(2), H, Hkv, D,
                         block_table.data_ptr<int32_t>(), block_table.stride(0),
                         seq_lens.data_ptr<int32_t>(), static_cast<float>(scale), Hkv * D, D};
-    if (fp8) {  // each item's rows widened first, then the same kernels on them
-      const Fp8Rows<E> widened(kv_cache, max_seq_len, *fp8);
-      at::parallel_for(0, B * Hkv, 1, [&](int64_t b, int64_t e) {
-        const ThreadScratch<float, kDecodeAttnScratch> own(scratch);
-        const ThreadScratch<typename E::T, kFp8RowsScratch> rows(2 * widened.Lp * D);
-        for (int64_t i = b; i < e; ++i) {
-          before(E{}, i / Hkv, i % Hkv);
-          widened.widen(a, i / Hkv, i % Hkv, 0, a.seq_lens[i / Hkv], rows.get());
-          decode_item(widened.local(a, rows.get()), i / Hkv, i % Hkv, own.get());
-        }
-      });
-      return;
-    }
+    // An fp8 cache: each item's rows widened first, then the same kernels on them.
+    std::optional<Fp8Rows<E>> widened;
+    if (fp8) widened.emplace(kv_cache, max_seq_len, *fp8);
     at::parallel_for(0, B * Hkv, 1, [&](int64_t b, int64_t e) {
       const ThreadScratch<float, kDecodeAttnScratch> own(scratch);
+      const ThreadScratch<typename E::T, kFp8RowsScratch> rows(widened ? 2 * widened->Lp * D : 0);
       float* buf = own.get();
       for (int64_t i = b; i < e; ++i) {
-        before(E{}, i / Hkv, i % Hkv);
-        decode_item(a, i / Hkv, i % Hkv, buf, i + 1 < e ? (i + 1) / Hkv : -1, (i + 1) % Hkv);
+        const int64_t r = i / Hkv, h = i % Hkv;
+        before(E{}, r, h);
+        if (widened) {
+          widened->widen(a, r, h, 0, a.seq_lens[r], rows.get());
+          decode_item(widened->local(a, rows.get()), r, h, buf);
+        } else {
+          decode_item(a, r, h, buf, i + 1 < e ? (i + 1) / Hkv : -1, (i + 1) % Hkv);
+        }
       }
     });
   });
