@@ -14,6 +14,13 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.config import FP8_KV_CACHE_DTYPES
+
+
+def is_fp8(dtype: torch.dtype | None) -> bool:
+    """Whether `dtype` is one of the fp8 KV-cache dtypes."""
+    return dtype in FP8_KV_CACHE_DTYPES.values()
+
 
 def quantize_kv(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     """`x` as an fp8 cache of `cache_dtype` stores it (a new tensor)."""
@@ -32,4 +39,4 @@ def as_stored(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
 def storage_view(t: torch.Tensor) -> torch.Tensor:
     """`t` viewed as its raw bytes' integer type where it is fp8 (the same memory, any
     strides): PyTorch's CPU `index_copy_` has no fp8 kernel, and a byte copy is exact."""
-    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
+    return t.view(torch.uint8) if is_fp8(t.dtype) else t

@@ -28,8 +28,8 @@ import torch
 
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.cpu_backend import CpuAttentionBackend
+from pagedllm.attention.fp8_kv import is_fp8
 from pagedllm.attention.torch_backend import TorchAttentionBackend
-from pagedllm.config import FP8_KV_CACHE_DTYPES
 from pagedllm.ops import NATIVE_DTYPES, NATIVE_KV_DTYPES, cpu_ops
 from pagedllm.ops.triton import HAS_TRITON, triton_usable
 
@@ -45,7 +45,7 @@ def check_attention_backend_name(name: str, kv_cache_dtype: torch.dtype | None =
     if name.upper() not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={name!r} is not one of {list(ATTENTION_BACKENDS)}")
     name = name.upper()
-    if name == "TRITON_ATTN" and _is_fp8(kv_cache_dtype):
+    if name == "TRITON_ATTN" and is_fp8(kv_cache_dtype):
         raise ValueError(
             f"kv_cache_dtype (an fp8 cache, {str(kv_cache_dtype).removeprefix('torch.')}) "
             "cannot be combined with attention_backend='TRITON_ATTN': its Triton kernels keep "
@@ -75,7 +75,7 @@ def get_attn_backend(
     name = attention_backend or os.environ.get(ATTENTION_BACKEND_ENV) or None
     if name is None:
         if device_type == "cuda":
-            if _is_fp8(kv_cache_dtype):
+            if is_fp8(kv_cache_dtype):
                 logger.info("fp8 KV cache: CUDA attention runs TORCH_SDPA, not TRITON_ATTN")
                 return TorchAttentionBackend()
             if triton_usable(device):
@@ -106,10 +106,6 @@ def get_attn_backend(
         )
         raise ValueError(f"attention_backend='TRITON_ATTN' cannot run on {device_type}: {why}")
     return _triton_backend()
-
-
-def _is_fp8(dtype: torch.dtype | None) -> bool:
-    return dtype in FP8_KV_CACHE_DTYPES.values()
 
 
 def _batch_invariant_backend(device_type: str, attention_backend: str | None) -> AttentionBackend:
