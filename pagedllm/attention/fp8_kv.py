@@ -1,6 +1,7 @@
 """fp8 KV caches (vLLM's `kv_cache_dtype` "fp8" / "fp8_e4m3" / "fp8_e5m2", scale 1.0): how the
 PyTorch code stores K/V rows in one and reads them back, by the rule the native CPU kernels
-follow too, so that every backend reads what another wrote.
+(ops/csrc/fp8.h) and the Triton kernels (ops/triton/fp8.py) follow too, so that every backend
+reads what another wrote.
 
 Stored: `x.float().clamp(-M, M).to(fp8)`, M the format's largest finite value (448 for
 float8_e4m3fn, 57344 for float8_e5m2), rounded to nearest even by PyTorch's cast; the clamp

@@ -7,9 +7,9 @@ Backends, by vLLM's names:
   paged kernel of `pagedllm.ops`): the CPU default for bf16 and fp32 models whose KV cache
   the native kernels take (`NATIVE_KV_DTYPES`: the model's dtype or fp8) when the native ops
   are available; otherwise the CPU gets TORCH_SDPA.
-- `TRITON_ATTN` (`TritonAttentionBackend`: the Triton kernels): the CUDA default. On the CPU
-  it runs only in Triton's interpreter (`TRITON_INTERPRET=1`, for tests). Its kernels keep
-  the cache in the model's dtype: with an fp8 cache CUDA's default is TORCH_SDPA instead.
+- `TRITON_ATTN` (`TritonAttentionBackend`: the Triton kernels, over caches in the model's
+  dtype or fp8): the CUDA default. On the CPU it runs only in Triton's interpreter
+  (`TRITON_INTERPRET=1`, for tests).
 
 - `BATCH_INVARIANT` (`BatchInvariantAttentionBackend`: one fixed summation order per query
   row): only, and always, with `batch_invariant=True` (never named by hand).
@@ -28,7 +28,6 @@ import torch
 
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.cpu_backend import CpuAttentionBackend
-from pagedllm.attention.fp8_kv import is_fp8
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 from pagedllm.ops import NATIVE_DTYPES, NATIVE_KV_DTYPES, cpu_ops
 from pagedllm.ops.triton import HAS_TRITON, triton_usable
@@ -39,20 +38,11 @@ ATTENTION_BACKENDS = ("TORCH_SDPA", "CPU_ATTN", "TRITON_ATTN")
 ATTENTION_BACKEND_ENV = "PAGEDLLM_ATTENTION_BACKEND"
 
 
-def check_attention_backend_name(name: str, kv_cache_dtype: torch.dtype | None = None) -> str:
-    """`name` upper-cased if it is a known backend that keeps a KV cache of `kv_cache_dtype`
-    (None: any); else a ValueError naming what does not fit."""
+def check_attention_backend_name(name: str) -> str:
+    """`name` upper-cased if it is a known backend; else a ValueError naming it."""
     if name.upper() not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={name!r} is not one of {list(ATTENTION_BACKENDS)}")
-    name = name.upper()
-    if name == "TRITON_ATTN" and is_fp8(kv_cache_dtype):
-        raise ValueError(
-            f"kv_cache_dtype (an fp8 cache, {str(kv_cache_dtype).removeprefix('torch.')}) "
-            "cannot be combined with attention_backend='TRITON_ATTN': its Triton kernels keep "
-            "the KV cache in the model's dtype; use attention_backend='TORCH_SDPA' or "
-            "kv_cache_dtype='auto'"
-        )
-    return name
+    return name.upper()
 
 
 def get_attn_backend(
@@ -75,16 +65,13 @@ def get_attn_backend(
     name = attention_backend or os.environ.get(ATTENTION_BACKEND_ENV) or None
     if name is None:
         if device_type == "cuda":
-            if is_fp8(kv_cache_dtype):
-                logger.info("fp8 KV cache: CUDA attention runs TORCH_SDPA, not TRITON_ATTN")
-                return TorchAttentionBackend()
             if triton_usable(device):
                 return _triton_backend()
             logger.warning("Triton is not installed: CUDA attention falls back to TORCH_SDPA")
             return TorchAttentionBackend()
         ops = cpu_ops() if native else None
         return CpuAttentionBackend(ops) if ops is not None else TorchAttentionBackend()
-    name = check_attention_backend_name(name, kv_cache_dtype)
+    name = check_attention_backend_name(name)
     if name == "TORCH_SDPA":
         return TorchAttentionBackend()
     if name == "CPU_ATTN":

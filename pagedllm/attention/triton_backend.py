@@ -1,7 +1,8 @@
 """Paged attention in Triton: the default on CUDA (vLLM's TRITON_ATTN).
 
 Same KV-cache layout as the torch backend (`[2, num_blocks, block_size, num_kv_heads,
-head_size]`), so either backend reads what the other wrote. Per layer: one launch of
+head_size]`), in the model's dtype or fp8 (`kv_cache_dtype`, stored by the same rule:
+ops/triton/fp8.py), so either backend reads what the other wrote. Per layer: one launch of
 `reshape_and_cache` writes the step's keys and values at their slots (negative slots, padding,
 skipped), then one launch of `unified_attention` attends every request, prefill chunks and
 decodes alike, over its paged context.

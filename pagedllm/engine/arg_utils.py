@@ -160,7 +160,8 @@ class EngineArgs:
             ),
             generation_config=generation_config,
         )
-        kv_cache_dtype = kv_cache_dtype_str_to_dtype(self.kv_cache_dtype, model_config.dtype)
+        # A kv_cache_dtype it cannot take is a ValueError naming it, before anything starts.
+        kv_cache_dtype_str_to_dtype(self.kv_cache_dtype, model_config.dtype)
         max_num_batched_tokens = self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         if not self.enable_chunked_prefill:
             max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
@@ -207,7 +208,7 @@ class EngineArgs:
         if self.attention_backend is not None:
             from pagedllm.attention.selector import check_attention_backend_name
 
-            check_attention_backend_name(self.attention_backend, kv_cache_dtype)
+            check_attention_backend_name(self.attention_backend)
         structured_outputs_config = StructuredOutputsConfig.from_dict(
             self.structured_outputs_config, self.reasoning_parser
         )
@@ -496,7 +497,7 @@ _HELP = {
     "block_size": "Tokens per KV-cache block.",
     "kv_cache_dtype": "auto (the model's dtype), fp8 / fp8_e4m3 (float8_e4m3fn) or fp8_e5m2: "
     "the KV cache's dtype; fp8 holds twice the tokens of bf16 in the same memory (stored with "
-    "scale 1.0, saturated at the format's largest value; not with TRITON_ATTN).",
+    "scale 1.0, saturated at the format's largest value).",
     "override_generation_config": "A JSON object over the generation config's sampling "
     "defaults, e.g. '{\"temperature\": 0.5}' (merged with --generation-config's).",
     "enable_prefix_caching": "Reuse KV blocks of shared prompt prefixes.",

@@ -50,24 +50,20 @@ def test_fp8_caches_take_the_native_backend_with_bf16_and_fp32_queries_only(monk
             get_attn_backend("cpu", cache, "CPU_ATTN", model_dtype=torch.float16)
 
 
-def test_triton_refuses_an_fp8_cache(monkeypatch, tiny_llama_dir):
-    """The Triton kernels keep the model's dtype: named with an fp8 cache it is an error at
-    engine start; CUDA's default then is TORCH_SDPA."""
+def test_triton_takes_fp8_caches(monkeypatch, tiny_llama_dir):
+    """The Triton kernels read and write fp8 caches (ops/triton/fp8.py): named with one it is
+    chosen, and it stays CUDA's default."""
     monkeypatch.delenv(ATTENTION_BACKEND_ENV, raising=False)
     monkeypatch.setattr(selector, "triton_usable", lambda device: True)
-    fp8 = torch.float8_e4m3fn
-    assert type(get_attn_backend("cuda", fp8, model_dtype=torch.bfloat16)) is TorchAttentionBackend
-    match = "kv_cache_dtype .*fp8.* cannot be combined with attention_backend='TRITON_ATTN'"
-    with pytest.raises(ValueError, match=match):
-        get_attn_backend("cuda", fp8, "TRITON_ATTN")
-    monkeypatch.setenv(ATTENTION_BACKEND_ENV, "TRITON_ATTN")
-    with pytest.raises(ValueError, match=match):
-        get_attn_backend("cuda", torch.float8_e5m2)
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        assert get_attn_backend("cuda", fp8, model_dtype=torch.bfloat16).name == "TRITON_ATTN"
+        assert get_attn_backend("cuda", fp8, "TRITON_ATTN").name == "TRITON_ATTN"
     args = EngineArgs(
         model=tiny_llama_dir, device="cpu", kv_cache_dtype="fp8", attention_backend="TRITON_ATTN"
     )
-    with pytest.raises(ValueError, match=match):
-        args.create_engine_config()
+    config = args.create_engine_config()
+    assert config.kv_cache_torch_dtype == torch.float8_e4m3fn
+    assert config.attention_backend == "TRITON_ATTN"
 
 
 def test_cuda_default_is_triton_where_triton_runs(monkeypatch):

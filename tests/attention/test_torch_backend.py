@@ -347,10 +347,10 @@ def _fp8(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     return x.float().clamp(-bound, bound).to(cache_dtype)
 
 
-def fp8_batch(spec, cache_dtype: torch.dtype, dtype: torch.dtype, **kwargs) -> Batch:
+def fp8_batch(spec, cache_dtype: torch.dtype, dtype: torch.dtype, device="cpu", **kwargs) -> Batch:
     """`Batch` over an fp8 cache: the context already written is stored as fp8, and the dense
     history the reference reads is what the cache gives back (the new rows' too)."""
-    batch = Batch(spec, dtype=dtype, device="cpu", **kwargs)
+    batch = Batch(spec, dtype=dtype, device=device, **kwargs)
     batch.kv_cache = _fp8(batch.kv_cache, cache_dtype)
     batch.k_hist = [_fp8(k, cache_dtype).to(dtype) for k in batch.k_hist]
     batch.v_hist = [_fp8(v, cache_dtype).to(dtype) for v in batch.v_hist]

@@ -1,5 +1,5 @@
 """TritonAttentionBackend against the torch backend (the reference) on the same paged
-batches: same outputs, same cache contents, padding rows ignored."""
+batches: same outputs, same cache contents (fp8 caches too), padding rows ignored."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 from pagedllm.ops.triton import triton_usable
-from tests.attention.test_torch_backend import SCENARIOS, Batch, check
+from tests.attention.test_torch_backend import SCENARIOS, Batch, check, fp8_batch
 from tests.ops.triton.devices import TRITON_DEVICES
 
 
@@ -56,6 +56,38 @@ def test_same_output_and_cache_as_torch_backend(device, scenario):
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize(
+    "cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scenario", ["mixed", "chunked_prefill"])
+def test_fp8_cache_as_the_torch_backend(device, scenario, dtype, cache_dtype):
+    """kv_cache_dtype fp8: every row attends to K/V as the cache stores them (the step's own
+    rows included), and the cache ends with the bytes the torch backend writes."""
+    batches = [
+        fp8_batch(
+            SCENARIOS[scenario],
+            cache_dtype,
+            dtype,
+            device,
+            block_size=16,
+            num_heads=4,
+            num_kv_heads=2,
+            head_size=16,
+            seed=11,
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    out = _forward(_backend(), batches[0])
+    ref = _forward(TorchAttentionBackend(), batches[1])
+    assert out.dtype == dtype and batches[0].kv_cache.dtype == cache_dtype
+    check(batches[0], out)
+    torch.testing.assert_close(out, ref, atol=2e-5 if dtype == torch.float32 else 2e-2, rtol=1e-3)
+    raw = [b.kv_cache.view(torch.uint8) for b in batches]
+    assert torch.equal(raw[0], raw[1])
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
 def test_padding_rows_are_ignored(device):
     """Rows past num_actual_tokens (NaN) reach neither the cache nor the outputs; their own
     outputs are zero, as the torch backend's."""
@@ -83,10 +115,11 @@ def test_same_cache_layout_as_torch_backend():
     assert shape == TorchAttentionBackend.get_kv_cache_shape(10, 16, 4, 64)
 
 
-def test_engine_greedy_tokens_match_torch_backend(tiny_llama_dir, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "fp8_e5m2"])
+def test_engine_greedy_tokens_match_torch_backend(tiny_llama_dir, monkeypatch, kv_cache_dtype):
     """The whole engine on TRITON_ATTN (interpreted on the CPU) emits the torch backend's
-    greedy tokens, through chunked prefill, a prefix-cache hit and mixed prefill + decode
-    steps."""
+    greedy tokens and logprobs, through chunked prefill, a prefix-cache hit and mixed prefill
+    + decode steps; with an fp8 cache too (both then attend over its fp8 rows)."""
     from pagedllm import LLM, SamplingParams
 
     if not triton_usable("cpu"):
@@ -94,12 +127,13 @@ def test_engine_greedy_tokens_match_torch_backend(tiny_llama_dir, monkeypatch):
     monkeypatch.setenv("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")
     shared = list(range(40, 56))  # one full block shared by the last two prompts
     prompts = [[7, 8, 9, 10, 11], shared + [3, 4, 5], shared + [60, 61, 62, 63, 64, 65]]
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
     outputs = {}
     for backend in ("TORCH_SDPA", "TRITON_ATTN"):
         llm = LLM(
             model=tiny_llama_dir,
             dtype="float32",
+            kv_cache_dtype=kv_cache_dtype,
             attention_backend=backend,
             num_gpu_blocks_override=16,
             max_model_len=128,
@@ -108,6 +142,13 @@ def test_engine_greedy_tokens_match_torch_backend(tiny_llama_dir, monkeypatch):
         )
         runner = llm.llm_engine.engine_core.engine_core.executor.worker.model_runner
         assert runner.attn_backend.name == backend
+        width = 4 if kv_cache_dtype == "auto" else 1
+        assert all(c.dtype.itemsize == width for c in runner.kv_caches)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        outputs[backend] = [o.outputs[0].token_ids for o in outs]
-    assert outputs["TRITON_ATTN"] == outputs["TORCH_SDPA"]
+        outputs[backend] = [
+            (c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+            for c in (o.outputs[0] for o in outs)
+        ]
+    for (ids, lps), (ref_ids, ref_lps) in zip(outputs["TRITON_ATTN"], outputs["TORCH_SDPA"]):
+        assert ids == ref_ids
+        assert lps == pytest.approx(ref_lps, abs=1e-4)

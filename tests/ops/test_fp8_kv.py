@@ -88,6 +88,8 @@ def _paged(g, num_blocks, block_size, kv_heads, d, lens, fp8):
         (8, 1, 80, 16, [5, 64]),  # the AVX2 kernel
         (6, 2, 48, 16, [40, 3]),  # the portable one
         (2, 1, 256, 8, [45]),
+        (4, 2, 32, 16, [33, 17]),  # the AVX512-BF16 kernel's other head sizes
+        (6, 2, 96, 16, [50, 9]),
     ],
 )
 @pytest.mark.parametrize("fp8", list(FP8), ids=["e4m3", "e5m2"])
@@ -100,6 +102,26 @@ def test_decode_attention_over_fp8_is_over_the_widened_cache(
     q = torch.randn(len(lens), heads, d, generator=g).to(dtype)
     out = ops.paged_decode_attention(q, kv, table, seq_lens, max(lens), d**-0.5)
     ref = ops.paged_decode_attention(q, kv.to(dtype), table, seq_lens, max(lens), d**-0.5)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("d", [64, 96])
+@pytest.mark.parametrize("fp8", list(FP8), ids=["e4m3", "e5m2"])
+def test_decode_attention_reads_every_fp8_code(d, fp8):
+    """A cache of random bytes over every finite code of the format (subnormals, zeros, the
+    largest values, both signs): decode attention gives the bits it gives over the cache
+    widened by torch."""
+    g = torch.Generator().manual_seed(d)
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = torch.isfinite(codes.view(fp8).float())
+    kv = codes[finite][torch.randint(int(finite.sum()), (2, 24, 16, 2, d), generator=g)]
+    kv = kv.view(fp8)
+    table = torch.randperm(24, generator=g)[:20].view(2, 10).int()
+    seq_lens = torch.tensor([150, 77], dtype=torch.int32)
+    q = (torch.randn(2, 6, d, generator=g) * 0.05).to(BF16)  # scores of a few units at most
+    out = ops.paged_decode_attention(q, kv, table, seq_lens, 150, d**-0.5)
+    ref = ops.paged_decode_attention(q, kv.to(BF16), table, seq_lens, 150, d**-0.5)
+    assert torch.isfinite(out.float()).all()
     assert torch.equal(out, ref)
 
 

@@ -3,7 +3,9 @@
 Token t goes to slot `slot_mapping[t]` = block * block_size + offset of the cache
 `[2, num_blocks, block_size, num_kv_heads, head_size]`. A negative slot (a padding row, e.g.
 of a CUDA-graph batch padded to its captured size) is skipped. One program per token copies
-all of its heads; key/value rows may be strided views (q/k/v split from one fused GEMM).
+all of its heads; key/value rows may be strided views (q/k/v split from one fused GEMM). An
+fp8 cache (`kv_cache_dtype`) gets each value stored as fp8 (`fp8.fp8_encode`: saturated,
+rounded to nearest even, the bits the other backends store).
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ import triton
 import triton.language as tl
 
 from pagedllm.ops.triton import next_power_of_2
+from pagedllm.ops.triton.fp8 import cache_view, fp8_code, fp8_encode
 
 
 @triton.jit
 def _reshape_and_cache_kernel(
     key_ptr,  # [T, Hkv, D]
     value_ptr,  # [T, Hkv, D]
-    k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, D] (an fp8 cache's bytes: FP8 > 0)
     v_cache_ptr,  # same strides as k_cache
     slot_mapping_ptr,  # [T] int64
     stride_k_t,
@@ -34,6 +37,7 @@ def _reshape_and_cache_kernel(
     HEAD_SIZE: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HEAD_PAD: tl.constexpr,
+    FP8: tl.constexpr,  # 0: the cache keeps the rows' dtype; 1 / 2: fp8 e4m3 / e5m2 (fp8.py)
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -51,12 +55,16 @@ def _reshape_and_cache_kernel(
     k = tl.load(
         key_ptr + token * stride_k_t + offs_h[:, None] * stride_k_h + offs_d[None, :], mask=mask
     )
-    tl.store(k_cache_ptr + dst, k, mask=mask)
     v = tl.load(
         value_ptr + token * stride_v_t + offs_h[:, None] * stride_v_h + offs_d[None, :],
         mask=mask,
     )
-    tl.store(v_cache_ptr + dst, v, mask=mask)
+    if FP8:
+        tl.store(k_cache_ptr + dst, fp8_encode(k.to(tl.float32), FP8), mask=mask)
+        tl.store(v_cache_ptr + dst, fp8_encode(v.to(tl.float32), FP8), mask=mask)
+    else:
+        tl.store(k_cache_ptr + dst, k, mask=mask)
+        tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
 def reshape_and_cache(
@@ -70,7 +78,7 @@ def reshape_and_cache(
     if num_tokens == 0:
         return
     _, num_kv_heads, head_size = key.shape
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    key_cache, value_cache = cache_view(kv_cache)[0], cache_view(kv_cache)[1]
     assert key.stride(2) == 1 and value.stride(2) == 1 and key_cache.stride(3) == 1
     _reshape_and_cache_kernel[(num_tokens,)](
         key,
@@ -90,4 +98,5 @@ def reshape_and_cache(
         HEAD_SIZE=head_size,
         HEADS_PAD=next_power_of_2(num_kv_heads),
         HEAD_PAD=next_power_of_2(head_size),
+        FP8=fp8_code(kv_cache.dtype),
     )

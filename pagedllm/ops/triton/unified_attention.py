@@ -19,6 +19,10 @@ online softmax (fp32 running max, sum and accumulator).
 
 Every output row is reduced over its keys in the same tile order whatever else is in the
 batch, so the result of a request does not depend on its batch (batch invariance).
+
+An fp8 cache (`kv_cache_dtype`) is read as its bytes, each K / V tile widened exactly to the
+query's dtype (`fp8.fp8_decode`) before the same products: the bits the kernel gives over that
+cache widened beforehand.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.ops.triton import next_power_of_2
+from pagedllm.ops.triton.fp8 import cache_view, fp8_code, fp8_decode
 
 # Query rows per program (BLOCK_M) when the heads of one KV head fit in it; keys per tile.
 _BLOCK_M = 16
@@ -54,7 +59,7 @@ def _find_seq(query_start_loc_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
 def _unified_attention_kernel(
     out_ptr,  # [T, H, D]
     q_ptr,  # [T, H, D]
-    k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, D] (an fp8 cache's bytes: FP8 > 0)
     v_cache_ptr,  # same strides as k_cache
     block_table_ptr,  # [num_seqs, max_blocks] int32
     seq_lens_ptr,  # [num_seqs] int32
@@ -77,6 +82,7 @@ def _unified_attention_kernel(
     BLOCK_Q: tl.constexpr,
     TILE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,  # 0: the cache is in the query's dtype; 1 / 2: fp8 e4m3 / e5m2 (fp8.py)
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -120,6 +126,8 @@ def _unified_attention_kernel(
             mask=k_ok[None, :] & d_ok[:, None],
             other=0.0,
         )  # [HEAD_PAD, TILE]
+        if FP8:
+            k = fp8_decode(k, FP8).to(q.dtype)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [M, TILE] fp32
         allowed = row_ok[:, None] & k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
         s = tl.where(allowed, s, float("-inf"))
@@ -134,6 +142,8 @@ def _unified_attention_kernel(
             mask=k_ok[:, None] & d_ok[None, :],
             other=0.0,
         )  # [TILE, HEAD_PAD]
+        if FP8:
+            v = fp8_decode(v, FP8).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -164,7 +174,7 @@ def unified_attention(
         return out
     block_m = max(_BLOCK_M, next_power_of_2(queries_per_kv))
     block_q = block_m // queries_per_kv
-    key_cache, value_cache = kv_cache[0], kv_cache[1]
+    key_cache, value_cache = cache_view(kv_cache)[0], cache_view(kv_cache)[1]
     assert query.stride(2) == 1 and out.stride(2) == 1 and key_cache.stride(3) == 1
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _unified_attention_kernel[grid](
@@ -194,5 +204,6 @@ def unified_attention(
         TILE=_TILE,
         # fp32 inputs: full-precision dots (Triton's default for fp32 is TF32).
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
+        FP8=fp8_code(kv_cache.dtype),
     )
     return out

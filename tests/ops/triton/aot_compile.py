@@ -1,6 +1,7 @@
 """Compile every Triton kernel ahead of time for an NVIDIA target (no GPU needed: Triton
 ships ptxas) and print one line per variant. Run in a process without TRITON_INTERPRET (the
-kernels must be defined as compiled ones): `python -m tests.ops.triton.aot_compile [ARCH]`."""
+kernels must be defined as compiled ones): `python -m tests.ops.triton.aot_compile [ARCH]
+[fp8]` (fp8: only the variants over fp8 caches)."""
 
 from __future__ import annotations
 
@@ -24,16 +25,22 @@ from pagedllm.ops.triton import (  # noqa: E402
 def _variants():
     """(kernel, runtime arg types, constexprs) per variant: the dtypes and head shapes served,
     and the constant 1 Triton substitutes for an int argument equal to 1."""
-    for dt, precision in (("bf16", None), ("fp32", "ieee")):
-        for group, head, num_seqs in ((4, 128, "i32"), (1, 64, 1), (8, 80, "i32")):
+    # (query dtype, cache pointer, FP8): caches in the model's dtype, and fp8 caches (their
+    # bytes, e4m3 and e5m2) under bf16 and fp32 queries.
+    caches = [(dt, dt, 0) for dt in ("bf16", "fp32")]
+    caches += [(dt, "u8", fp8) for dt in ("bf16", "fp32") for fp8 in (1, 2)]
+    for dt, cache, fp8 in caches:
+        precision = "ieee" if dt == "fp32" else None
+        shapes = ((4, 128, "i32"), (1, 64, 1), (8, 80, "i32")) if not fp8 else ((4, 128, "i32"),)
+        for group, head, num_seqs in shapes:
             block_m = max(16, group)
             yield (
                 unified_attention._unified_attention_kernel,
                 {
                     "out_ptr": f"*{dt}",
                     "q_ptr": f"*{dt}",
-                    "k_cache_ptr": f"*{dt}",
-                    "v_cache_ptr": f"*{dt}",
+                    "k_cache_ptr": f"*{cache}",
+                    "v_cache_ptr": f"*{cache}",
                     "block_table_ptr": "*i32",
                     "seq_lens_ptr": "*i32",
                     "query_start_loc_ptr": "*i32",
@@ -62,15 +69,18 @@ def _variants():
                     BLOCK_Q=block_m // group,
                     TILE=32,
                     DOT_PRECISION=precision,
+                    FP8=fp8,
                 ),
             )
+        if dt == "fp32" and fp8:
+            continue  # (the fp8 stores: from bf16 rows below)
         yield (
             reshape_and_cache._reshape_and_cache_kernel,
             {
                 "key_ptr": f"*{dt}",
                 "value_ptr": f"*{dt}",
-                "k_cache_ptr": f"*{dt}",
-                "v_cache_ptr": f"*{dt}",
+                "k_cache_ptr": f"*{cache}",
+                "v_cache_ptr": f"*{cache}",
                 "slot_mapping_ptr": "*i64",
                 **dict.fromkeys(
                     (
@@ -85,7 +95,7 @@ def _variants():
                     "i64",
                 ),
             },
-            dict(BLOCK_SIZE=16, NUM_KV_HEADS=8, HEAD_SIZE=128, HEADS_PAD=8, HEAD_PAD=128),
+            dict(BLOCK_SIZE=16, NUM_KV_HEADS=8, HEAD_SIZE=128, HEADS_PAD=8, HEAD_PAD=128, FP8=fp8),
         )
     for has_k, has_p in ((True, True), (True, False), (False, True)):
         yield (
@@ -119,9 +129,11 @@ def _variants():
         )
 
 
-def main(arch: int) -> None:
+def main(arch: int, fp8_only: bool = False) -> None:
     target = GPUTarget("cuda", arch, 32)
     for kernel, types, constexprs in _variants():
+        if fp8_only and not constexprs.get("FP8"):
+            continue
         signature = dict(types)
         consts = {}
         for name, value in list(signature.items()) + list(constexprs.items()):
@@ -137,4 +149,4 @@ def main(arch: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 90)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 90, "fp8" in sys.argv[2:])

@@ -54,3 +54,41 @@ def test_no_rows_is_a_no_op(device):
     key = torch.ones(0, 2, 16, device=device)
     reshape_and_cache(key, key, kv_cache, torch.zeros(0, dtype=torch.int64, device=device))
     assert not kv_cache.any()
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp8_cache_stores_the_saturated_cast(device, fp8, dtype):
+    """Into an fp8 cache each value goes as `x.float().clamp(-M, M).to(fp8)` stores it, bit
+    for bit: subnormals, halfway cases, values past the format's range, infinities (saturated),
+    NaN (kept NaN); negative slots skipped."""
+    from pagedllm.ops.triton.reshape_and_cache import reshape_and_cache
+    from tests.ops.test_fp8_kv import awkward_values
+
+    gen = torch.Generator().manual_seed(3)
+    hkv, d, bs = 2, 32, 8
+    vals = torch.cat([awkward_values(200, gen), torch.tensor([float("inf"), -float("inf"), 1e-30])])
+    rows = -(-vals.numel() // (2 * hkv * d)) + 1
+    flat = torch.zeros(rows * 2 * hkv * d)
+    flat[: vals.numel()] = vals[torch.randperm(vals.numel(), generator=gen)]
+    flat[-5] = float("nan")
+    kv_rows = flat.view(rows, 2, hkv, d).to(dtype)
+    key, value = kv_rows[:, 0], kv_rows[:, 1]  # strided views
+    cache = torch.zeros(2, 8, bs, hkv, d, dtype=fp8)
+    slots = torch.randperm(8 * bs, generator=gen)[:rows]
+    slots[1] = -1
+    cache = cache.to(device)
+    reshape_and_cache(key.to(device), value.to(device), cache, slots.to(device))
+    got = cache.cpu().view(torch.uint8).view(2, -1, hkv, d)
+    bound = torch.finfo(fp8).max
+    real = slots >= 0
+    for plane, x in ((0, key), (1, value)):
+        want = x[real].float().clamp(-bound, bound).to(fp8)
+        stored = got[plane, slots[real]]
+        nan = want.float().isnan()
+        assert torch.equal(stored[~nan], want.view(torch.uint8)[~nan])
+        assert stored.view(fp8)[nan].float().isnan().all()
+    untouched = torch.ones(got.shape[1], dtype=torch.bool)
+    untouched[slots[real]] = False
+    assert (got[:, untouched] == 0).all()

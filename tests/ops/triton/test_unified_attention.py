@@ -118,3 +118,28 @@ def test_noncontiguous_query_view(device):
         batch.query.shape[-1] ** -0.5,
     )
     _check(batch, out)
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["mixed", "chunked_prefill_gqa3", "block_size_1"])
+def test_fp8_cache_is_the_widened_cache(device, case, dtype, fp8):
+    """Over an fp8 cache (every finite code of the format, scaled so that scores stay a few
+    units) the kernel gives the bits it gives over that cache widened to the query's dtype:
+    each tile is widened exactly before the same products."""
+    batch = _make(case, dtype, device)
+    gen = torch.Generator().manual_seed(len(case))
+    codes = torch.arange(256, dtype=torch.uint8)
+    finite = codes[torch.isfinite(codes.view(fp8).float())]
+    shape = batch.kv_cache.shape
+    raw = finite[torch.randint(finite.numel(), tuple(shape), generator=gen)]
+    fp8_cache = raw.view(fp8).to(batch.kv_cache.device)
+    batch.query = (batch.query.float() * 0.02).to(dtype)
+    batch.kv_cache = fp8_cache.to(dtype)
+    widened = _attend(batch, device)
+    batch.kv_cache = fp8_cache
+    out = _attend(batch, device)
+    n = batch.num_tokens
+    assert torch.isfinite(out[:n].float()).all()
+    assert torch.equal(out[:n], widened[:n])
