@@ -210,6 +210,9 @@ class CacheConfig:
     # vLLM's kv_cache_dtype as given ("auto", the model dtype's name, "fp8", "fp8_e4m3",
     # "fp8_e5m2"); `EngineConfig.kv_cache_torch_dtype` is the tensors' dtype it resolves to.
     cache_dtype: str = "auto"
+    # An fp8 cache's per-layer K/V scales from a calibration forward at start-up (vLLM's
+    # calculate_kv_scales; worker/kv_scales.py); False: scale 1.0.
+    calculate_kv_scales: bool = False
     kv_cache_memory_bytes: int | None = None  # bytes; None -> CPU default / GPU profiling
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None

@@ -20,6 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedllm.attention.fp8_kv import UNIT_SCALES, KVScales
+
 
 @dataclass
 class CommonAttentionMetadata:
@@ -122,7 +124,9 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,  # get_kv_cache_shape(...)
         metadata: Any,  # what build_metadata returned
         scale: float,
+        kv_scales: KVScales = UNIT_SCALES,
     ) -> torch.Tensor:
         """Write key/value into kv_cache at metadata's slot mapping, then return the attention
         output [num_tokens, num_heads, head_size] of each new token over its request's
-        cached context plus the new tokens up to itself."""
+        cached context plus the new tokens up to itself. An fp8 cache stores and reads rows
+        with the layer's `kv_scales` (attention/fp8_kv.py)."""

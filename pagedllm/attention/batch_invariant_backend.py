@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention.backend import CommonAttentionMetadata
+from pagedllm.attention.fp8_kv import UNIT_SCALES, KVScales, dequantize_kv
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 from pagedllm.layers.batch_invariant import det_exp
 
@@ -106,16 +107,26 @@ class BatchInvariantAttentionBackend(TorchAttentionBackend):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         metadata: BatchInvariantMetadata,
         scale: float,
+        kv_scales: KVScales = UNIT_SCALES,
     ) -> torch.Tensor:
         _, num_heads, head_size = query.shape
         num_kv_heads = kv_cache.shape[3]
-        self.write_kv(key, value, kv_cache, metadata)
+        self.write_kv(key, value, kv_cache, metadata, kv_scales)
         out = torch.zeros_like(query)
         per_row = num_heads * head_size  # temporaries' elements per (row, key)
+
+        def read(plane: int, block_ids: torch.Tensor) -> torch.Tensor:
+            """Blocks of keys (0) or values (1); an fp8 cache's read with its scales in the
+            query's dtype (exactly the fp8 values with unit scales: _attend widens them)."""
+            t = kv_cache[plane].index_select(0, block_ids)
+            if kv_scales.unit or t.dtype == query.dtype:
+                return t
+            return dequantize_kv(t, query.dtype, kv_scales.v if plane else kv_scales.k)
+
         if metadata.decode_rows is not None:
             rows, pos = metadata.decode_rows, metadata.decode_pos
-            k = kv_cache[0].index_select(0, metadata.decode_block_ids)
-            v = kv_cache[1].index_select(0, metadata.decode_block_ids)
+            k = read(0, metadata.decode_block_ids)
+            v = read(1, metadata.decode_block_ids)
             k = k.view(rows.shape[0], -1, num_kv_heads, head_size)  # [Bd, L, Hkv, D]
             v = v.view(rows.shape[0], -1, num_kv_heads, head_size)
             step = max(1, _CHUNK_ELEMENTS // (per_row * k.shape[1]))
@@ -124,8 +135,8 @@ class BatchInvariantAttentionBackend(TorchAttentionBackend):
                 o = _attend(query[rows[r0:r1]], k[r0:r1], v[r0:r1], pos[r0:r1], scale)
                 out.index_copy_(0, rows[r0:r1], o.to(query.dtype))
         for start, n, ctx, block_ids in metadata.prefills:
-            k = kv_cache[0].index_select(0, block_ids).view(1, -1, num_kv_heads, head_size)
-            v = kv_cache[1].index_select(0, block_ids).view(1, -1, num_kv_heads, head_size)
+            k = read(0, block_ids).view(1, -1, num_kv_heads, head_size)
+            v = read(1, block_ids).view(1, -1, num_kv_heads, head_size)
             step = max(1, _CHUNK_ELEMENTS // (per_row * k.shape[1]))
             for r0 in range(0, n, step):
                 r1 = min(n, r0 + step)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from pagedllm.attention.backend import CommonAttentionMetadata
+from pagedllm.attention.fp8_kv import UNIT_SCALES, KVScales
 from pagedllm.attention.torch_backend import (
     TorchAttentionBackend,
     TorchAttentionMetadata,
@@ -136,10 +137,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
         value: torch.Tensor,  # [T, Hkv, D]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         metadata: TorchAttentionMetadata,
+        kv_scales: KVScales = UNIT_SCALES,
     ) -> None:
         """The step's K/V rows into their cache slots: one native call (a row copy each)."""
         if metadata.num_actual_tokens:
-            self.ops.reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
+            self.ops.reshape_and_cache(
+                key, value, kv_cache, metadata.slot_mapping, kv_scales.k, kv_scales.v
+            )
 
     def forward(
         self,
@@ -149,31 +153,34 @@ class CpuAttentionBackend(TorchAttentionBackend):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         metadata: CpuAttentionMetadata,
         scale: float,
+        kv_scales: KVScales = UNIT_SCALES,
     ) -> torch.Tensor:
         if metadata.multi is not None and query.shape[2] not in PREFILL_HEAD_SIZES:
             self._sdpa_instead(metadata)
         d, m = metadata.decodes, metadata.multi
+        ks, vs = kv_scales.k, kv_scales.v
         if self.decode_only(metadata, query.shape[0]) is not None:
             # A decode-only step: the kernel writes every row of the output.
-            self.write_kv(key, value, kv_cache, metadata)
+            self.write_kv(key, value, kv_cache, metadata, kv_scales)
             return self.ops.paged_decode_attention(
-                query, kv_cache, d.block_table, d.seq_lens, d.max_seq_len, scale
+                query, kv_cache, d.block_table, d.seq_lens, d.max_seq_len, scale, ks, vs
             )
-        if m is None:
-            out = super().forward(query, key, value, kv_cache, metadata, scale)  # writes K/V
+        if m is None:  # (writes K/V)
+            out = super().forward(query, key, value, kv_cache, metadata, scale, kv_scales)
         else:  # every request is native: the multi-token ones here, decodes below
-            self.write_kv(key, value, kv_cache, metadata)
+            self.write_kv(key, value, kv_cache, metadata, kv_scales)
             out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
             self.ops.paged_prefill_attention(
-                query, out, kv_cache, m.block_table, m.seq_lens, m.query_start_loc, m.reqs, scale
-            )
+                query, out, kv_cache, m.block_table, m.seq_lens, m.query_start_loc, m.reqs,
+                scale, ks, vs,
+            )  # fmt: skip
             if metadata.num_actual_tokens < query.shape[0]:
                 out[metadata.num_actual_tokens :].zero_()  # padding rows: defined values
         if d is not None:
             rows = d.rows
             q = query[rows] if isinstance(rows, slice) else query.index_select(0, rows)
             o = self.ops.paged_decode_attention(
-                q, kv_cache, d.block_table, d.seq_lens, d.max_seq_len, scale
+                q, kv_cache, d.block_table, d.seq_lens, d.max_seq_len, scale, ks, vs
             )
             if isinstance(rows, slice):
                 out[rows] = o

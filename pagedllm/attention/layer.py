@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend
+from pagedllm.attention.fp8_kv import UNIT_SCALES, KVScales
 from pagedllm.layers.cpu_memory import anonymous_bytes
 
 
@@ -48,6 +49,15 @@ class Attention(nn.Module):
         # when one is configured: it loads this layer's blocks before attention and saves them
         # after. None (the usual case) costs one attribute check per layer.
         self.kv_connector: Any = None
+        # The scales of an fp8 cache's keys and values (attention/fp8_kv.py): 1 unless set
+        # (`set_kv_scales`: calculate_kv_scales). `kv_scales_tensor` holds the same two values
+        # for the native fused decode layers (layers/cpu_fused.py), which read it each step.
+        self.kv_scales: KVScales = UNIT_SCALES
+        self.kv_scales_tensor = torch.ones(2, dtype=torch.float32)
+
+    def set_kv_scales(self, scales: KVScales) -> None:
+        self.kv_scales = scales
+        self.kv_scales_tensor.copy_(torch.tensor([scales.k, scales.v], dtype=torch.float32))
 
     def forward(
         self,
@@ -72,6 +82,7 @@ class Attention(nn.Module):
             self.kv_cache,
             attn_metadata,
             self.scale,
+            self.kv_scales,
         )  # [T, H, D]
         if connector is not None:
             connector.save_kv_layer(self.layer_name, self.kv_cache, attn_metadata)

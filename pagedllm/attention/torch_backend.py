@@ -45,7 +45,13 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.backend import AttentionBackend, CommonAttentionMetadata
-from pagedllm.attention.fp8_kv import as_stored, quantize_kv, storage_view
+from pagedllm.attention.fp8_kv import (
+    UNIT_SCALES,
+    KVScales,
+    as_stored,
+    quantize_kv,
+    storage_view,
+)
 
 # A further batched SDPA call costs about as much as attending over this many padded key
 # positions (CPU, a few heads of size 64-128); used only to decide when to split a group.
@@ -113,18 +119,27 @@ class TorchAttentionMetadata:
         return buf.view(-1)[: 2 * n * block_numel].view(2, n, block_numel)
 
     def gather_kv(
-        self, kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype
+        self,
+        kv_cache: torch.Tensor,
+        block_ids: torch.Tensor,
+        dtype: torch.dtype,
+        kv_scales: KVScales = UNIT_SCALES,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Whole blocks `block_ids` of keys and values in `dtype` (the query's), each
-        [n, block_size * Hkv * D]."""
+        [n, block_size * Hkv * D] (an fp8 cache's read with `kv_scales`)."""
         num_blocks_total = kv_cache.shape[1]
         block_numel = kv_cache[0, 0].numel()
         n = block_ids.shape[0]
         buf = self._buffer(kv_cache.dtype, kv_cache.device, n, block_numel)
         torch.index_select(kv_cache[0].view(num_blocks_total, -1), 0, block_ids, out=buf[0])
         torch.index_select(kv_cache[1].view(num_blocks_total, -1), 0, block_ids, out=buf[1])
-        if kv_cache.dtype != dtype:  # an fp8 cache: widened exactly (attention/fp8_kv.py)
-            buf = self._buffer(dtype, kv_cache.device, n, block_numel).copy_(buf)
+        if kv_cache.dtype != dtype:  # an fp8 cache: widened (attention/fp8_kv.py)
+            raw, buf = buf, self._buffer(dtype, kv_cache.device, n, block_numel)
+            if kv_scales.unit:  # exactly
+                buf.copy_(raw)
+            else:  # times the scale in fp32, rounded to dtype
+                buf[0].copy_(raw[0].float().mul_(kv_scales.k))
+                buf[1].copy_(raw[1].float().mul_(kv_scales.v))
         return buf[0], buf[1]
 
 
@@ -297,17 +312,18 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         metadata: TorchAttentionMetadata,
         scale: float,
+        kv_scales: KVScales = UNIT_SCALES,
     ) -> torch.Tensor:
         num_tokens, num_heads, head_size = query.shape
         n = metadata.num_actual_tokens
-        self.write_kv(key, value, kv_cache, metadata)
+        self.write_kv(key, value, kv_cache, metadata, kv_scales)
         out = torch.empty(
             (num_tokens, num_heads, head_size), dtype=query.dtype, device=query.device
         )
         for group in metadata.groups:
-            self._attend_group(out, query, kv_cache, group, metadata, scale)
+            self._attend_group(out, query, kv_cache, group, metadata, scale, kv_scales)
         for p in metadata.prefills:
-            self._attend_prefill(out, query, key, value, kv_cache, p, metadata, scale)
+            self._attend_prefill(out, query, key, value, kv_cache, p, metadata, scale, kv_scales)
         if n < num_tokens:
             out[n:].zero_()  # padding rows: defined values, nothing else reads them
         return out
@@ -318,16 +334,18 @@ class TorchAttentionBackend(AttentionBackend):
         value: torch.Tensor,  # [T, Hkv, D]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         metadata: TorchAttentionMetadata,
+        kv_scales: KVScales = UNIT_SCALES,
     ) -> None:
         """Scatter the step's real key/value rows into their cache slots (quantized into an
-        fp8 cache)."""
+        fp8 cache, with `kv_scales`)."""
         n = metadata.num_actual_tokens
         if n == 0:
             return
         row = key.shape[1] * key.shape[2]
         k, v = key[:n].reshape(n, row), value[:n].reshape(n, row)
         if kv_cache.dtype != key.dtype:
-            k, v = quantize_kv(k, kv_cache.dtype), quantize_kv(v, kv_cache.dtype)
+            k = quantize_kv(k, kv_cache.dtype, kv_scales.k_inv)
+            v = quantize_kv(v, kv_cache.dtype, kv_scales.v_inv)
             kv_cache, k, v = storage_view(kv_cache), storage_view(k), storage_view(v)
         kv_cache[0].view(-1, row).index_copy_(0, metadata.slot_mapping, k)
         kv_cache[1].view(-1, row).index_copy_(0, metadata.slot_mapping, v)
@@ -340,12 +358,13 @@ class TorchAttentionBackend(AttentionBackend):
         g: BatchedGroup,
         meta: TorchAttentionMetadata,
         scale: float,
+        kv_scales: KVScales = UNIT_SCALES,
     ) -> None:
         _, num_heads, head_size = query.shape
         num_kv_heads = kv_cache.shape[3]
         B, Q, L = g.num_reqs, g.max_query_len, g.num_blocks * meta.block_size
         # Whole-block gathers: [B * num_blocks, block_size * Hkv * D] -> [B, Hkv, L, D] (view).
-        k, v = meta.gather_kv(kv_cache, g.block_ids, query.dtype)
+        k, v = meta.gather_kv(kv_cache, g.block_ids, query.dtype, kv_scales)
         k = k.view(B, L, num_kv_heads, head_size).transpose(1, 2)
         v = v.view(B, L, num_kv_heads, head_size).transpose(1, 2)
         q = query[g.q_rows] if isinstance(g.q_rows, slice) else query.index_select(0, g.q_rows)
@@ -376,19 +395,22 @@ class TorchAttentionBackend(AttentionBackend):
         p: PrefillRequest,
         meta: TorchAttentionMetadata,
         scale: float,
+        kv_scales: KVScales = UNIT_SCALES,
     ) -> None:
         num_heads, num_kv_heads = query.shape[1], key.shape[1]
         head_size = query.shape[2]
         gqa = num_heads != num_kv_heads
         if p.mask is None:
             q = query[p.start : p.end].transpose(0, 1)[None]  # [1, H, Q, D]
-            k = as_stored(key[p.start : p.end], kv_cache.dtype).transpose(0, 1)[None]
-            v = as_stored(value[p.start : p.end], kv_cache.dtype).transpose(0, 1)[None]
+            ks = kv_scales
+            k = as_stored(key[p.start : p.end], kv_cache.dtype, ks.k, ks.k_inv)
+            v = as_stored(value[p.start : p.end], kv_cache.dtype, ks.v, ks.v_inv)
+            k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
             out[p.start : p.end] = o[0].transpose(0, 1)  # [Q, H, D]
             return
         # [num_blocks, block_size * Hkv * D]
-        k, v = meta.gather_kv(kv_cache, p.block_ids, query.dtype)
+        k, v = meta.gather_kv(kv_cache, p.block_ids, query.dtype, kv_scales)
         k = k.view(-1, num_kv_heads, head_size).transpose(0, 1)[None]  # [1, Hkv, Lpad, D]
         v = v.view(-1, num_kv_heads, head_size).transpose(0, 1)[None]
         chunk_rows = p.mask.shape[0]

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.attention.backend import AttentionBackend, CommonAttentionMetadata
+from pagedllm.attention.fp8_kv import UNIT_SCALES, KVScales
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 
 
@@ -68,8 +69,9 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         metadata: TritonAttentionMetadata,
         scale: float,
+        kv_scales: KVScales = UNIT_SCALES,
     ) -> torch.Tensor:
-        self._reshape_and_cache(key, value, kv_cache, metadata.slot_mapping)
+        self._reshape_and_cache(key, value, kv_cache, metadata.slot_mapping, kv_scales)
         # Zeroed: rows past the real tokens (padding) are never written by the kernel.
         out = torch.zeros_like(query, memory_format=torch.contiguous_format)
         return self._unified_attention(
@@ -80,4 +82,5 @@ class TritonAttentionBackend(AttentionBackend):
             metadata.seq_lens,
             metadata.query_start_loc,
             scale,
+            kv_scales,
         )

@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from pagedllm.config import (
+    FP8_KV_CACHE_DTYPES,
     PP_LAYER_PARTITION_ENV,
     CacheConfig,
     CompilationConfig,
@@ -64,6 +65,7 @@ class EngineArgs:
     stream_interval: int = 1
     kv_cache_memory_bytes: int | None = None
     kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     scheduling_policy: str = "fcfs"
@@ -162,6 +164,11 @@ class EngineArgs:
         )
         # A kv_cache_dtype it cannot take is a ValueError naming it, before anything starts.
         kv_cache_dtype_str_to_dtype(self.kv_cache_dtype, model_config.dtype)
+        if self.calculate_kv_scales and self.kv_cache_dtype not in FP8_KV_CACHE_DTYPES:
+            raise ValueError(
+                "calculate_kv_scales=True scales an fp8 KV cache: it needs kv_cache_dtype "
+                f"{sorted(FP8_KV_CACHE_DTYPES)}, got kv_cache_dtype={self.kv_cache_dtype!r}"
+            )
         max_num_batched_tokens = self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         if not self.enable_chunked_prefill:
             max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
@@ -178,6 +185,7 @@ class EngineArgs:
             block_size=self.block_size,
             enable_prefix_caching=self.enable_prefix_caching,
             cache_dtype=self.kv_cache_dtype,
+            calculate_kv_scales=self.calculate_kv_scales,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
@@ -205,6 +213,13 @@ class EngineArgs:
                 self.speculative_config, model_config
             )
             _check_load_format_compatible(load_config, extra["speculative_config"])
+            method = extra["speculative_config"].method
+            if self.calculate_kv_scales and method in ("draft_model", "eagle"):
+                raise ValueError(
+                    f"calculate_kv_scales=True calibrates the target model's attention layers; "
+                    f"speculative_config method {method!r} keeps a KV cache of its own, which "
+                    "it does not calibrate: use one of them, or n-gram / Medusa speculation"
+                )
         if self.attention_backend is not None:
             from pagedllm.attention.selector import check_attention_backend_name
 
@@ -497,7 +512,10 @@ _HELP = {
     "block_size": "Tokens per KV-cache block.",
     "kv_cache_dtype": "auto (the model's dtype), fp8 / fp8_e4m3 (float8_e4m3fn) or fp8_e5m2: "
     "the KV cache's dtype; fp8 holds twice the tokens of bf16 in the same memory (stored with "
-    "scale 1.0, saturated at the format's largest value).",
+    "scale 1.0 unless --calculate-kv-scales, saturated at the format's largest value).",
+    "calculate_kv_scales": "With an fp8 --kv-cache-dtype: each attention layer's K and V "
+    "scales from one calibration forward at start-up (max |K| / 200, max |V| / 100 over seeded "
+    "random tokens, as vLLM) instead of 1.0.",
     "override_generation_config": "A JSON object over the generation config's sampling "
     "defaults, e.g. '{\"temperature\": 0.5}' (merged with --generation-config's).",
     "enable_prefix_caching": "Reuse KV blocks of shared prompt prefixes.",

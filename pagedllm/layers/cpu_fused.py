@@ -150,6 +150,7 @@ class FusedStack:
             n_in, n_post = plan.norms
             q_norm, k_norm, qk_eps = plan.qk_norm
             tensors += [n_in.weight, n_post.weight, rope.cos_sin_cache, q_norm, k_norm]
+            tensors.append(attn.attn.kv_scales_tensor)  # read each step (set_kv_scales)
             ints += [attn.q_size, attn.kv_size, rope.head_size, rope.rotary_dim]
             self.native.add_layer(tensors, ints, [n_in.eps, n_post.eps, attn.attn.scale, qk_eps])
 

@@ -214,6 +214,7 @@ class ModelRunner:
             self.kv_connector.register_kv_caches(
                 {layer.layer_name: layer.kv_cache for layer in layers},
                 kv_block_dim(self.attn_backend),
+                {layer.layer_name: (layer.kv_scales.k, layer.kv_scales.v) for layer in layers},
             )
             for layer in layers:
                 layer.kv_connector = self.kv_connector

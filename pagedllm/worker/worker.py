@@ -129,7 +129,12 @@ class Worker:
         return num_blocks
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the KV cache, then capture the decode CUDA graphs over it (CUDA only)."""
+        """Allocate the KV cache, then capture the decode CUDA graphs over it (CUDA only).
+        With calculate_kv_scales, first the fp8 cache's scales (worker/kv_scales.py)."""
+        if self.config.cache_config.calculate_kv_scales:
+            from pagedllm.worker.kv_scales import calculate_kv_scales
+
+            calculate_kv_scales(self.model_runner)
         self.model_runner.initialize_kv_cache(num_blocks)
         self.model_runner.capture_model()
 

@@ -10,6 +10,7 @@ import torch
 
 from pagedllm.attention import torch_backend
 from pagedllm.attention.backend import CommonAttentionMetadata
+from pagedllm.attention.fp8_kv import UNIT_SCALES, KVScales
 from pagedllm.attention.selector import get_attn_backend
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 
@@ -132,11 +133,11 @@ class Batch:
         return torch.cat(outs)
 
 
-def run(batch: Batch, backend: TorchAttentionBackend) -> torch.Tensor:
+def run(batch: Batch, backend: TorchAttentionBackend, kv_scales=UNIT_SCALES) -> torch.Tensor:
     head_size = batch.query.shape[-1]
     meta = backend.build_metadata(batch.common)
     return backend.forward(
-        batch.query, batch.key, batch.value, batch.kv_cache, meta, head_size**-0.5
+        batch.query, batch.key, batch.value, batch.kv_cache, meta, head_size**-0.5, kv_scales
     )
 
 
@@ -347,35 +348,60 @@ def _fp8(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
     return x.float().clamp(-bound, bound).to(cache_dtype)
 
 
-def fp8_batch(spec, cache_dtype: torch.dtype, dtype: torch.dtype, device="cpu", **kwargs) -> Batch:
-    """`Batch` over an fp8 cache: the context already written is stored as fp8, and the dense
-    history the reference reads is what the cache gives back (the new rows' too)."""
+def fp8_batch(
+    spec,
+    cache_dtype: torch.dtype,
+    dtype: torch.dtype,
+    device="cpu",
+    kv_scales=UNIT_SCALES,
+    **kwargs,
+) -> Batch:
+    """`Batch` over an fp8 cache with `kv_scales`: the context already written is stored as
+    fp8 of the values times 1 / scale, and the dense history the reference reads is what the
+    cache gives back, fp8 times scale in the query's dtype (the new rows' too)."""
     batch = Batch(spec, dtype=dtype, device=device, **kwargs)
-    batch.kv_cache = _fp8(batch.kv_cache, cache_dtype)
-    batch.k_hist = [_fp8(k, cache_dtype).to(dtype) for k in batch.k_hist]
-    batch.v_hist = [_fp8(v, cache_dtype).to(dtype) for v in batch.v_hist]
+    ks = kv_scales
+
+    def stored(x: torch.Tensor, inv: float) -> torch.Tensor:
+        return _fp8(x.float() * inv, cache_dtype)
+
+    def read(x: torch.Tensor, scale: float, inv: float) -> torch.Tensor:
+        return (stored(x, inv).float() * scale).to(dtype)
+
+    batch.kv_cache = torch.stack(
+        [stored(batch.kv_cache[0], ks.k_inv), stored(batch.kv_cache[1], ks.v_inv)]
+    )
+    batch.k_hist = [read(k, ks.k, ks.k_inv) for k in batch.k_hist]
+    batch.v_hist = [read(v, ks.v, ks.v_inv) for v in batch.v_hist]
     return batch
 
 
+SCALED = KVScales(0.0371, 2.6)  # calculate_kv_scales-like scales, one below 1, one above
+
+
+@pytest.mark.parametrize("kv_scales", [UNIT_SCALES, SCALED], ids=["unit", "scaled"])
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_fp8_cache_attends_to_the_stored_kv(scenario, dtype, cache_dtype):
-    """kv_cache_dtype fp8: every row attends to K/V as the cache stores them, whether they
-    were in the cache before the step (context) or are written by it (a prefill without
-    context included), at the query dtype's precision; the new rows land quantized."""
+def test_fp8_cache_attends_to_the_stored_kv(scenario, dtype, cache_dtype, kv_scales):
+    """kv_cache_dtype fp8: every row attends to K/V as the cache stores them, read back with
+    the layer's scales, whether they were in the cache before the step (context) or are
+    written by it (a prefill without context included), at the query dtype's precision; the
+    new rows land quantized."""
     spec = SCENARIOS[scenario]
     batch = fp8_batch(
-        spec, cache_dtype, dtype, block_size=8, num_heads=8, num_kv_heads=2, head_size=32, seed=9
-    )
-    out = run(batch, TorchAttentionBackend(max_batched_query_len=4))
+        spec, cache_dtype, dtype, block_size=8, num_heads=8, num_kv_heads=2, head_size=32,
+        seed=9, kv_scales=kv_scales,
+    )  # fmt: skip
+    out = run(batch, TorchAttentionBackend(max_batched_query_len=4), kv_scales)
     assert out.dtype == dtype and batch.kv_cache.dtype == cache_dtype
     check(batch, out)
     flat = batch.kv_cache.view(2, -1, 2, 32)
     for r, (ctx, q_len) in enumerate(spec):
         slots = batch.slots(r, ctx, ctx + q_len)
-        assert torch.equal(flat[0, slots].float(), batch.k_hist[r][ctx:].float())
-        assert torch.equal(flat[1, slots].float(), batch.v_hist[r][ctx:].float())
+        k, v = flat[0, slots].float() * kv_scales.k, flat[1, slots].float() * kv_scales.v
+        assert torch.equal(k.to(dtype), batch.k_hist[r][ctx:])
+        assert torch.equal(v.to(dtype), batch.v_hist[r][ctx:])
 
 
 def check_fp8_write_saturates(backend: TorchAttentionBackend, cache_dtype: torch.dtype) -> None:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedllm.attention.fp8_kv import UNIT_SCALES
 from pagedllm.attention.torch_backend import TorchAttentionBackend
 from pagedllm.ops.triton import triton_usable
-from tests.attention.test_torch_backend import SCENARIOS, Batch, check, fp8_batch
+from tests.attention.test_torch_backend import SCALED, SCENARIOS, Batch, check, fp8_batch
 from tests.ops.triton.devices import TRITON_DEVICES
 
 
@@ -18,7 +19,9 @@ def _backend():
     return TritonAttentionBackend()
 
 
-def _forward(backend, batch: Batch, query=None, key=None, value=None) -> torch.Tensor:
+def _forward(
+    backend, batch: Batch, query=None, key=None, value=None, kv_scales=UNIT_SCALES
+) -> torch.Tensor:
     meta = backend.build_metadata(batch.common)
     return backend.forward(
         batch.query if query is None else query,
@@ -27,6 +30,7 @@ def _forward(backend, batch: Batch, query=None, key=None, value=None) -> torch.T
         batch.kv_cache,
         meta,
         batch.query.shape[-1] ** -0.5,
+        kv_scales,
     )
 
 
@@ -61,25 +65,16 @@ def test_same_output_and_cache_as_torch_backend(device, scenario):
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scenario", ["mixed", "chunked_prefill"])
-def test_fp8_cache_as_the_torch_backend(device, scenario, dtype, cache_dtype):
-    """kv_cache_dtype fp8: every row attends to K/V as the cache stores them (the step's own
-    rows included), and the cache ends with the bytes the torch backend writes."""
-    batches = [
-        fp8_batch(
-            SCENARIOS[scenario],
-            cache_dtype,
-            dtype,
-            device,
-            block_size=16,
-            num_heads=4,
-            num_kv_heads=2,
-            head_size=16,
-            seed=11,
-        )  # fmt: skip
-        for _ in range(2)
-    ]
-    out = _forward(_backend(), batches[0])
-    ref = _forward(TorchAttentionBackend(), batches[1])
+@pytest.mark.parametrize("kv_scales", [UNIT_SCALES, SCALED], ids=["unit", "scaled"])
+def test_fp8_cache_as_the_torch_backend(device, scenario, dtype, cache_dtype, kv_scales):
+    """kv_cache_dtype fp8: every row attends to K/V as the cache stores them with its scales
+    (the step's own rows included), and the cache ends with the bytes the torch backend
+    writes."""
+    spec = SCENARIOS[scenario]
+    shape = dict(block_size=16, num_heads=4, num_kv_heads=2, head_size=16, seed=11)
+    batches = [fp8_batch(spec, cache_dtype, dtype, device, kv_scales, **shape) for _ in range(2)]
+    out = _forward(_backend(), batches[0], kv_scales=kv_scales)
+    ref = _forward(TorchAttentionBackend(), batches[1], kv_scales=kv_scales)
     assert out.dtype == dtype and batches[0].kv_cache.dtype == cache_dtype
     check(batches[0], out)
     torch.testing.assert_close(out, ref, atol=2e-5 if dtype == torch.float32 else 2e-2, rtol=1e-3)
@@ -115,11 +110,17 @@ def test_same_cache_layout_as_torch_backend():
     assert shape == TorchAttentionBackend.get_kv_cache_shape(10, 16, 4, 64)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "fp8_e5m2"])
-def test_engine_greedy_tokens_match_torch_backend(tiny_llama_dir, monkeypatch, kv_cache_dtype):
+@pytest.mark.parametrize(
+    "kv_cache_dtype, calculate_kv_scales",
+    [("auto", False), ("fp8", False), ("fp8_e5m2", False), ("fp8", True)],
+)
+def test_engine_greedy_tokens_match_torch_backend(
+    tiny_llama_dir, monkeypatch, kv_cache_dtype, calculate_kv_scales
+):
     """The whole engine on TRITON_ATTN (interpreted on the CPU) emits the torch backend's
     greedy tokens and logprobs, through chunked prefill, a prefix-cache hit and mixed prefill
-    + decode steps; with an fp8 cache too (both then attend over its fp8 rows)."""
+    + decode steps; with an fp8 cache too (both then attend over its fp8 rows), with
+    calibrated scales too."""
     from pagedllm import LLM, SamplingParams
 
     if not triton_usable("cpu"):
@@ -134,6 +135,7 @@ def test_engine_greedy_tokens_match_torch_backend(tiny_llama_dir, monkeypatch, k
             model=tiny_llama_dir,
             dtype="float32",
             kv_cache_dtype=kv_cache_dtype,
+            calculate_kv_scales=calculate_kv_scales,
             attention_backend=backend,
             num_gpu_blocks_override=16,
             max_model_len=128,

@@ -1,13 +1,14 @@
-"""kv_cache_dtype="fp8" / "fp8_e4m3" / "fp8_e5m2" (vLLM's, scale 1.0) end to end: the config,
-the cache's size and dtype, greedy output against transformers with its K/V round-tripped
-through fp8, the bytes the cache holds, the engine features that must not change the output,
-the native CPU kernels against TORCH_SDPA, speculative decoding's draft cache and a KV
-connector moving fp8 blocks."""
+"""kv_cache_dtype="fp8" / "fp8_e4m3" / "fp8_e5m2" (vLLM's) end to end, with scale 1.0 and
+with calculate_kv_scales' calibrated scales: the config, the cache's size and dtype, greedy
+output against transformers with its K/V round-tripped through fp8, the bytes the cache holds,
+the engine features that must not change the output, the native CPU kernels against
+TORCH_SDPA, speculative decoding's draft cache and a KV connector moving fp8 blocks."""
 
 from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,10 +23,23 @@ FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": 
 MAX_NEW = 12
 
 
-def _fp8(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
-    """What an fp8 cache holds for `x` (the contract, written out here independently)."""
+def _fp8(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """What an fp8 cache with `scale` holds for `x` (the contract, written out here
+    independently): x times the fp32 reciprocal of the scale, saturated, rounded."""
     bound = torch.finfo(cache_dtype).max
-    return x.float().clamp(-bound, bound).to(cache_dtype)
+    inv = float(np.float32(1.0) / np.float32(scale))
+    return (x.float() * inv).clamp(-bound, bound).to(cache_dtype)
+
+
+def _read(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """`x` as a read of it from such a cache sees it, in x's dtype."""
+    return (_fp8(x, cache_dtype, scale).float() * np.float32(scale)).to(x.dtype)
+
+
+def _scales(llm: LLM) -> list[tuple[float, float]]:
+    return [
+        (layer.kv_scales.k, layer.kv_scales.v) for layer in get_attention_layers(_runner(llm).model)
+    ]
 
 
 def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
@@ -85,7 +99,9 @@ def _runner(llm: LLM):
 
 
 def _llm(model_dir: str, **kwargs) -> LLM:
-    return LLM(model=model_dir, dtype="float32", seed=0, **{"kv_cache_memory": 8 << 20, **kwargs})
+    return LLM(
+        model=model_dir, dtype="float32", **{"seed": 0, "kv_cache_memory": 8 << 20, **kwargs}
+    )
 
 
 # ---- config ------------------------------------------------------------------------------
@@ -165,17 +181,19 @@ def test_fp8_caches_are_float8_and_hold_more_blocks(tiny_llama_dir):
 # ---- output ------------------------------------------------------------------------------
 
 
-def _hf_fp8_greedy(model_dir: str, cache_dtype: torch.dtype, prompts, max_new: int):
+def _hf_fp8_greedy(model_dir: str, cache_dtype: torch.dtype, prompts, max_new: int, scales=None):
     """transformers (fp32) with every layer's K/V round-tripped through the fp8 cache rule
-    before its attention reads them: (tokens, logprob of each) per prompt."""
+    before its attention reads them (with `scales[layer]`, (k, v), where given): (tokens,
+    logprob of each) per prompt."""
     from transformers import AttentionInterface, AutoModelForCausalLM
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     def fp8_kv_sdpa(module, query, key, value, *args, **kwargs):
-        key, value = (_fp8(x, cache_dtype).to(x.dtype) for x in (key, value))
+        k_scale, v_scale = scales[module.layer_idx] if scales else (1.0, 1.0)
+        key, value = _read(key, cache_dtype, k_scale), _read(value, cache_dtype, v_scale)
         return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
 
-    name = f"pagedllm_test_{cache_dtype}".replace(".", "_")
+    name = f"pagedllm_test_{cache_dtype}_{bool(scales)}".replace(".", "_")
     AttentionInterface.register(name, fp8_kv_sdpa)
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation=name
@@ -193,26 +211,47 @@ def _hf_fp8_greedy(model_dir: str, cache_dtype: torch.dtype, prompts, max_new: i
     return results
 
 
+@pytest.mark.parametrize("calculate_kv_scales", [False, True], ids=["unit", "calculated"])
 @pytest.mark.parametrize("attention_backend", ["TORCH_SDPA", None])
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
-def test_greedy_matches_transformers_with_fp8_kv(model_dirs, kv_cache_dtype, attention_backend):
-    """The oracle: transformers whose attention reads fp8-rounded K/V. The same tokens and
-    logprobs, with TORCH_SDPA and with the CPU default (the native kernels, where built)."""
+def test_greedy_matches_transformers_with_fp8_kv(
+    model_dirs, kv_cache_dtype, attention_backend, calculate_kv_scales
+):
+    """The oracle: transformers whose attention reads fp8-rounded K/V (with the engine's
+    calibrated scales, calculate_kv_scales). The same tokens and logprobs, with TORCH_SDPA
+    and with the CPU default (the native kernels, where built)."""
     model_dir = model_dirs["qwen3"]  # q/k norms: K is normed, then rotated, then stored
     prompts = _prompts([5, 17, 33, 64])
-    llm = _llm(model_dir, kv_cache_dtype=kv_cache_dtype, attention_backend=attention_backend)
+    llm = _llm(
+        model_dir,
+        kv_cache_dtype=kv_cache_dtype,
+        attention_backend=attention_backend,
+        calculate_kv_scales=calculate_kv_scales,
+    )
     got = _generate(llm, prompts, logprobs=0)
+    scales = _scales(llm) if calculate_kv_scales else None
     llm.shutdown()
-    expected = _hf_fp8_greedy(model_dir, FP8[kv_cache_dtype], prompts, MAX_NEW)
+    if calculate_kv_scales:
+        assert all(k != 1.0 and v != 1.0 for k, v in scales)
+    expected = _hf_fp8_greedy(model_dir, FP8[kv_cache_dtype], prompts, MAX_NEW, scales)
     assert _tokens(got) == _tokens(expected)
     assert _max_logprob_difference(got, expected) < 1e-4
 
 
+@pytest.mark.parametrize("calculate_kv_scales", [False, True], ids=["unit", "calculated"])
 @pytest.mark.parametrize("attention_backend", ["TORCH_SDPA", None])
-def test_the_cache_holds_the_quantized_kv_the_model_computed(tiny_llama_dir, attention_backend):
-    """Every layer's cache slots hold `clamp(k).to(fp8)` of the K/V its attention was given
-    (the K/V write of TORCH_SDPA, or the native kernel's)."""
-    llm = _llm(tiny_llama_dir, kv_cache_dtype="fp8", attention_backend=attention_backend)
+def test_the_cache_holds_the_quantized_kv_the_model_computed(
+    tiny_llama_dir, attention_backend, calculate_kv_scales
+):
+    """Every layer's cache slots hold `clamp(k * inv).to(fp8)` of the K/V its attention was
+    given, inv the reciprocal of the layer's scale (the K/V write of TORCH_SDPA, or the
+    native kernel's)."""
+    llm = _llm(
+        tiny_llama_dir,
+        kv_cache_dtype="fp8",
+        attention_backend=attention_backend,
+        calculate_kv_scales=calculate_kv_scales,
+    )
     seen = []
     layers = get_attention_layers(_runner(llm).model)
 
@@ -229,19 +268,29 @@ def test_the_cache_holds_the_quantized_kv_the_model_computed(tiny_llama_dir, att
         n, row = slots.shape[0], k.shape[-1]
         cache = layer.kv_cache.view(2, -1, row)  # [2, slots, Hkv * D]
         assert cache.dtype == torch.float8_e4m3fn
-        for half, x in enumerate((k, v)):
+        for half, (x, scale) in enumerate(((k, layer.kv_scales.k), (v, layer.kv_scales.v))):
+            assert (scale != 1.0) == calculate_kv_scales
             stored = cache[half, slots].view(torch.uint8)
-            assert torch.equal(stored, _fp8(x[:n], torch.float8_e4m3fn).view(torch.uint8))
+            want = _fp8(x[:n], torch.float8_e4m3fn, scale).view(torch.uint8)
+            assert torch.equal(stored, want)
             assert stored.any()
     llm.shutdown()
 
 
-def test_caching_chunking_and_preemption_keep_fp8_output(tiny_llama_dir):
+@pytest.mark.parametrize("calculate_kv_scales", [False, True], ids=["unit", "calculated"])
+def test_caching_chunking_and_preemption_keep_fp8_output(tiny_llama_dir, calculate_kv_scales):
     """Every read of K/V sees the stored fp8 values (a prefill's own rows included): prefix
-    caching, chunked prefill and preemption (recompute) change no token and no logprob. The
-    same workload over an fp32 cache gives other logprobs: the cache really is fp8."""
+    caching, chunked prefill and preemption (recompute) change no token and no logprob, with
+    scale 1 and with calibrated scales (the calibration is one forward whatever the token
+    budget, so both engines compute the same scales). The same workload over an fp32 cache
+    gives other logprobs: the cache really is fp8."""
     prompts = _shared_prefix_prompts()
-    common = dict(kv_cache_dtype="fp8", attention_backend="TORCH_SDPA", max_model_len=128)
+    common = dict(
+        kv_cache_dtype="fp8",
+        attention_backend="TORCH_SDPA",
+        max_model_len=128,
+        calculate_kv_scales=calculate_kv_scales,
+    )
     plain = _llm(
         tiny_llama_dir, enable_prefix_caching=False, enable_chunked_prefill=False, **common
     )
@@ -264,19 +313,23 @@ def test_caching_chunking_and_preemption_keep_fp8_output(tiny_llama_dir):
     assert _tokens(got) == _tokens(reference)
     assert _max_logprob_difference(got, reference) < 1e-4
 
-    full = _llm(tiny_llama_dir, **busy, **{**common, "kv_cache_dtype": "auto"})
+    auto = {**common, "kv_cache_dtype": "auto", "calculate_kv_scales": False}
+    full = _llm(tiny_llama_dir, **busy, **auto)
     fp32_cache = _generate(full, prompts[:2], max_tokens=24)
     full.shutdown()
     assert _max_logprob_difference(fp32_cache, reference[:2]) > 1e-3
 
 
 @pytest.mark.skipif(cpu_ops() is None, reason="native CPU ops not built here")
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
-def test_native_cpu_backend_matches_torch_sdpa(tiny_llama_dir, kv_cache_dtype):
+@pytest.mark.parametrize(
+    "kv_cache_dtype, calculate_kv_scales",
+    [("fp8", False), ("fp8_e5m2", False), ("fp8", True)],
+)
+def test_native_cpu_backend_matches_torch_sdpa(tiny_llama_dir, kv_cache_dtype, calculate_kv_scales):
     """The CPU default (native decode and prefill kernels, whole fused layers on decode-only
-    steps) over an fp8 cache against TORCH_SDPA over one, on a mixed chunked workload with
-    prefix-cache hits and whole short prompts: the same tokens, logprobs within 1e-4 (fp32
-    model)."""
+    steps, which read the layers' scales set after the first forward built them) over an fp8
+    cache against TORCH_SDPA over one, on a mixed chunked workload with prefix-cache hits and
+    whole short prompts: the same tokens, logprobs within 1e-4 (fp32 model)."""
     prompts = _shared_prefix_prompts() + _prompts([5, 17])
     results = {}
     for backend in ("TORCH_SDPA", None):
@@ -285,6 +338,7 @@ def test_native_cpu_backend_matches_torch_sdpa(tiny_llama_dir, kv_cache_dtype):
             kv_cache_dtype=kv_cache_dtype,
             attention_backend=backend,
             max_num_batched_tokens=32,
+            calculate_kv_scales=calculate_kv_scales,
         )
         results[backend] = _generate(llm, prompts, max_tokens=16)
         assert type(_runner(llm).attn_backend).__name__ == (
@@ -405,3 +459,106 @@ def test_offloading_disk_tier_stores_fp8_blocks(tiny_llama_dir, fp8_reference, t
     assert _run(fp32, prompts[:1], max_tokens=1)[0].num_cached_tokens == 0
     fp32.shutdown()
     assert len(os.listdir(tmp_path / "pagedllm-kv")) == 2
+
+
+# ---- calculate_kv_scales -----------------------------------------------------------------
+
+
+def test_calculated_scales_are_the_calibration_prompts_maxima(tiny_llama_dir):
+    """Each layer's scales are max |K| / 200 and max |V| / 100 (vLLM's constants) over the
+    calibration prompt: min(1024, max_model_len) token ids drawn by a generator seeded with
+    the model's seed. Measured here independently: the same prompt through an engine
+    without calibration, its attention layers' inputs recorded."""
+    max_model_len, seed = 96, 5
+    llm = _llm(
+        tiny_llama_dir, kv_cache_dtype="fp8", calculate_kv_scales=True,
+        max_model_len=max_model_len, seed=seed,
+    )  # fmt: skip
+    scales = _scales(llm)
+    vocab = _runner(llm).config.model_config.hf_config.vocab_size
+    llm.shutdown()
+    ids = torch.randint(vocab, (max_model_len,), generator=torch.Generator().manual_seed(seed))
+
+    plain = _llm(tiny_llama_dir, kv_cache_dtype="fp8", max_model_len=max_model_len + 1, seed=seed)
+    layers = get_attention_layers(_runner(plain).model)
+    maxima = {id(layer): [] for layer in layers}
+
+    def record(layer, args):
+        _, k, v, _ = args
+        maxima[id(layer)].append((float(k.abs().max()), float(v.abs().max())))
+
+    hooks = [layer.register_forward_pre_hook(record) for layer in layers]
+    _run(plain, [ids.tolist()], max_tokens=1, logprobs=None)  # one prefill step
+    for hook in hooks:
+        hook.remove()
+    plain.shutdown()
+    expected = []
+    for layer in layers:
+        ((k_max, v_max),) = maxima[id(layer)]
+        expected.append((float(np.float32(k_max / 200)), float(np.float32(v_max / 100))))
+    assert scales == expected
+    assert len(set(scales)) > 1  # per layer
+
+
+def test_calculated_scales_are_the_same_in_every_engine_of_a_seed(tiny_llama_dir):
+    """Two engines (other token budgets, other backends) compute the same scales; another seed
+    draws another calibration prompt, and other scales."""
+    common = dict(kv_cache_dtype="fp8", calculate_kv_scales=True)
+    runs = [
+        dict(seed=0),
+        dict(seed=0, max_num_batched_tokens=64, attention_backend="TORCH_SDPA"),
+        dict(seed=1),
+    ]
+    got = []
+    for kwargs in runs:
+        llm = _llm(tiny_llama_dir, **common, **kwargs)
+        got.append(_scales(llm))
+        llm.shutdown()
+    assert got[0] == got[1] != got[2]
+
+
+def test_calculate_kv_scales_needs_an_fp8_cache_and_no_draft_cache(tiny_llama_dir):
+    with pytest.raises(ValueError, match="calculate_kv_scales=True.*kv_cache_dtype='auto'"):
+        EngineArgs(
+            model=tiny_llama_dir, device="cpu", calculate_kv_scales=True
+        ).create_engine_config()
+    spec = {"method": "draft_model", "num_speculative_tokens": 2, "model": tiny_llama_dir}
+    with pytest.raises(ValueError, match="calculate_kv_scales=True.*'draft_model'"):
+        EngineArgs(
+            model=tiny_llama_dir, device="cpu", kv_cache_dtype="fp8", calculate_kv_scales=True,
+            speculative_config=spec,
+        ).create_engine_config()  # fmt: skip
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    config = EngineArgs(
+        model=tiny_llama_dir, device="cpu", kv_cache_dtype="fp8", calculate_kv_scales=True,
+        speculative_config=ngram,
+    ).create_engine_config()  # fmt: skip
+    assert config.cache_config.calculate_kv_scales
+
+
+def test_the_cli_takes_calculate_kv_scales(tiny_llama_dir):
+    import argparse
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    ns = parser.parse_args(["--kv-cache-dtype", "fp8", "--calculate-kv-scales"])
+    assert ns.calculate_kv_scales is True and ns.kv_cache_dtype == "fp8"
+    assert parser.parse_args([]).calculate_kv_scales is False
+
+
+def test_scaled_blocks_are_kept_apart(tiny_llama_dir):
+    """Blocks stored with calibrated scales mean other values than unit-scale ones: the disk
+    tier's directory (the config fingerprint) and the peer-to-peer layout name them."""
+    from pagedllm.distributed.kv_transfer.kv_blocks import PagedKVBlocks, kv_cache_fingerprint
+
+    def fingerprint(**kwargs) -> str:
+        args = EngineArgs(model=tiny_llama_dir, device="cpu", kv_cache_dtype="fp8", **kwargs)
+        return kv_cache_fingerprint(args.create_engine_config())
+
+    unit, scaled = fingerprint(), fingerprint(calculate_kv_scales=True)
+    assert unit != scaled == fingerprint(calculate_kv_scales=True)
+    assert scaled != fingerprint(calculate_kv_scales=True, seed=3)
+    caches = {"a": torch.zeros(2, 4, 16, 2, 8, dtype=torch.float8_e4m3fn)}
+    plain = PagedKVBlocks(caches, 1).describe()
+    assert PagedKVBlocks(caches, 1, {"a": (1.0, 1.0)}).describe() == plain
+    described = PagedKVBlocks(caches, 1, {"a": (0.25, 0.5)}).describe()
+    assert described == {**plain, "kv_scales": [[0.25, 0.5]]}

@@ -639,12 +639,20 @@ def test_attention_out_mlp_is_the_separate_ops(kind, rows):
 @needs_avx2
 @pytest.mark.parametrize("kind", ["avx2", "int8", "bf16"])
 @pytest.mark.parametrize("qk_norm, d", [(False, 64), (True, 64), (True, 128)])
-@pytest.mark.parametrize("cache_dtype", [BF16, torch.float8_e4m3fn, torch.float8_e5m2])
-def test_decoder_layer_decode_is_the_separate_ops(kind, qk_norm, d, cache_dtype):
+@pytest.mark.parametrize(
+    "cache_dtype, kv_scales",
+    [
+        (BF16, (1.0, 1.0)),
+        (torch.float8_e4m3fn, (1.0, 1.0)),
+        (torch.float8_e5m2, (1.0, 1.0)),
+        (torch.float8_e4m3fn, (0.043, 1.9)),  # calculate_kv_scales' scales
+    ],
+)
+def test_decoder_layer_decode_is_the_separate_ops(kind, qk_norm, d, cache_dtype, kv_scales):
     """A decode-only step's whole layer in one call (FusedStack's op) is attention_in (norms,
     QKV, the per-head q/k norms when given, RoPE), the K/V write, decode attention over the
     paged cache and attention_out_mlp, bit for bit: the same output, residual and cache (in
-    the model's dtype or fp8)."""
+    the model's dtype or fp8, with its K/V scales)."""
     if kind == "bf16" and not ops.cpu_has_avx512_bf16():
         pytest.skip("no AVX512-BF16 on this CPU")
     g = torch.Generator().manual_seed(d)
@@ -676,14 +684,15 @@ def test_decoder_layer_decode_is_the_separate_ops(kind, qk_norm, d, cache_dtype)
         x, res_ref, norms[0], 1e-5, *qkv_p, q_size, kv_size, *rope_args, *qk_args
     )
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=1)
-    ops.reshape_and_cache(k.reshape(B, kv_heads, d), v.reshape(B, kv_heads, d), cache_ref, slots)
+    k, v = k.reshape(B, kv_heads, d), v.reshape(B, kv_heads, d)
+    ops.reshape_and_cache(k, v, cache_ref, slots, *kv_scales)
     attn = ops.paged_decode_attention(
-        q.reshape(B, heads, d), cache_ref, table, seq_lens, max_len, scale
+        q.reshape(B, heads, d), cache_ref, table, seq_lens, max_len, scale, *kv_scales
     )
     ref = ops.attention_out_mlp(attn.view(B, q_size), res_ref, *o, norms[1], 1e-5, *gate_up, *down)
     out = ops.decoder_layer_decode(
         x, residual, norms[0], 1e-5, *qkv_p, q_size, kv_size, *rope_args, cache, slots, table,
-        seq_lens, max_len, scale, *o, norms[1], 1e-5, *gate_up, *down, *qk_args,
+        seq_lens, max_len, scale, *o, norms[1], 1e-5, *gate_up, *down, *qk_args, *kv_scales,
     )  # fmt: skip
     assert torch.equal(out, ref)
     assert torch.equal(residual, res_ref)

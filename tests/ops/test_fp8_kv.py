@@ -162,3 +162,89 @@ def test_prefill_attention_over_fp8_is_over_the_widened_cache(
             torch.tensor([0]), d**-0.5,
         )  # fmt: skip
         assert torch.equal(part, out[rows][c0:c1])
+
+
+# ---- scales (calculate_kv_scales) --------------------------------------------------------
+
+SCALES = (0.0371, 2.6)  # k_scale, v_scale: one below 1, one above
+
+
+def _inv(scale: float) -> float:
+    """1 / scale rounded to fp32 once, as the kernels take it."""
+    return float(np.float32(1.0) / np.float32(scale))
+
+
+def _read(cache: torch.Tensor, dtype: torch.dtype, k_scale: float, v_scale: float) -> torch.Tensor:
+    """An fp8 cache read back in `dtype`: fp8 value times its plane's scale in fp32."""
+    return torch.stack(
+        [(cache[0].float() * k_scale).to(dtype), (cache[1].float() * v_scale).to(dtype)]
+    )
+
+
+@pytest.mark.parametrize("fp8", list(FP8), ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_reshape_and_cache_stores_values_times_the_inverse_scale(fp8, dtype):
+    g = torch.Generator().manual_seed(7)
+    hkv, d, t = 2, 64, 20
+    vals = awkward_values(500, g)
+    key = vals[torch.randint(vals.numel(), (t, hkv, d), generator=g)].to(dtype)
+    value = (torch.randn(t, hkv, d, generator=g) * 40).to(dtype)
+    cache = torch.zeros(2, 4, 16, hkv, d, dtype=fp8)
+    slots = torch.randperm(64, generator=g)[:t]
+    ops.reshape_and_cache(key, value, cache, slots, *SCALES)
+    view = cache.view(torch.uint8).view(2, -1, hkv, d)
+    for plane, x, s in ((0, key, SCALES[0]), (1, value, SCALES[1])):
+        m = FP8[fp8]
+        want = (x.float() * _inv(s)).clamp(-m, m).to(fp8).view(torch.uint8)
+        assert torch.equal(view[plane, slots], want)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,d,lens",
+    [(9, 3, 64, [129, 2, 1]), (16, 8, 128, [77, 300]), (8, 1, 80, [5, 64]), (6, 2, 48, [40, 3])],
+)
+@pytest.mark.parametrize("fp8", list(FP8), ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_decode_attention_reads_values_times_the_scale(heads, kv_heads, d, lens, fp8, dtype):
+    """With scales, over an fp8 cache: the bits of attention over the cache read back as
+    fp8 value times scale, rounded to the query's dtype (every kernel: AVX512-BF16, AVX2,
+    portable)."""
+    g = torch.Generator().manual_seed(sum(lens) + d)
+    kv, table, seq_lens = _paged(g, 48, 16, kv_heads, d, lens, fp8)
+    q = torch.randn(len(lens), heads, d, generator=g).to(dtype)
+    out = ops.paged_decode_attention(q, kv, table, seq_lens, max(lens), d**-0.5, *SCALES)
+    ref = ops.paged_decode_attention(
+        q, _read(kv, dtype, *SCALES), table, seq_lens, max(lens), d**-0.5
+    )
+    assert torch.equal(out, ref)
+    unscaled = ops.paged_decode_attention(q, kv, table, seq_lens, max(lens), d**-0.5)
+    assert not torch.equal(out, unscaled)
+
+
+@pytest.mark.parametrize("fp8", list(FP8), ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+def test_prefill_attention_reads_values_times_the_scale(fp8, dtype):
+    heads, kv_heads, d, spans = 9, 3, 64, [(0, 47), (100, 40), (31, 9)]
+    g = torch.Generator().manual_seed(5)
+    lens = [c + n for c, n in spans]
+    kv, table, seq_lens = _paged(g, 96, 16, kv_heads, d, lens, fp8)
+    qsl = torch.tensor([0] + list(np.cumsum([n for _, n in spans])), dtype=torch.int64)
+    q = torch.randn(int(qsl[-1]), heads, d, generator=g).to(dtype)
+    reqs = torch.arange(len(spans))
+    out, ref = torch.empty_like(q), torch.empty_like(q)
+    ops.paged_prefill_attention(q, out, kv, table, seq_lens, qsl, reqs, d**-0.5, *SCALES)
+    widened = _read(kv, dtype, *SCALES)
+    ops.paged_prefill_attention(q, ref, widened, table, seq_lens, qsl, reqs, d**-0.5)
+    assert torch.equal(out, ref)
+
+
+def test_scales_are_checked():
+    q = torch.randn(1, 2, 64).to(BF16)
+    table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    bf16_cache = torch.zeros(2, 2, 16, 1, 64, dtype=BF16)
+    with pytest.raises(RuntimeError, match="fp8 KV cache only"):
+        ops.paged_decode_attention(q, bf16_cache, table, lens, 3, 0.125, 0.5, 1.0)
+    fp8_cache = bf16_cache.to(torch.float8_e4m3fn)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(RuntimeError, match="k_scale / v_scale"):
+            ops.paged_decode_attention(q, fp8_cache, table, lens, 3, 0.125, bad, 1.0)

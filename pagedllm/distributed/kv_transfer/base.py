@@ -102,9 +102,15 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 (vLLM's name)
 
     # ---- worker side ------------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], block_dim: int) -> None:
+    def register_kv_caches(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        block_dim: int,
+        kv_scales: dict[str, tuple[float, float]] | None = None,
+    ) -> None:
         """The worker's KV-cache tensors by attention-layer name; `block_dim` is the axis that
-        indexes blocks in each of them. Called once, before the first step."""
+        indexes blocks in each of them; `kv_scales` an fp8 cache's (k_scale, v_scale) by layer
+        (None: all 1.0). Called once, before the first step."""
         return None
 
     def bind_connector_metadata(self, metadata: KVConnectorMetadata | None) -> None:

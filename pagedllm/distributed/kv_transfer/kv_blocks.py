@@ -54,10 +54,19 @@ class PagedKVBlocks:
     that: blocks in transfer belong to no running request).
     """
 
-    def __init__(self, kv_caches: dict[str, torch.Tensor], block_dim: int) -> None:
+    def __init__(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        block_dim: int,
+        kv_scales: dict[str, tuple[float, float]] | None = None,
+    ) -> None:
         if not kv_caches:
             raise ValueError("a KV connector needs at least one attention layer")
         self.layer_names = list(kv_caches)
+        # An fp8 cache's blocks mean their values only with these scales (a peer must share
+        # them); None where every layer's are 1.0.
+        scales = [list(kv_scales.get(n, (1.0, 1.0))) for n in self.layer_names] if kv_scales else []
+        self.kv_scales = scales if any(s != [1.0, 1.0] for s in scales) else None
         self.layer_index = {name: i for i, name in enumerate(self.layer_names)}
         # Views with blocks first: [num_blocks, *block_shape], writes go to the caches.
         self._views = [kv.movedim(block_dim, 0) for kv in kv_caches.values()]
@@ -96,11 +105,14 @@ class PagedKVBlocks:
 
     def describe(self) -> dict[str, Any]:
         """The layout a peer must share to exchange blocks with this engine."""
-        return {
+        layout = {
             "num_layers": self.num_layers,
             "block_shape": list(self.block_shape),
             "dtype": str(self.dtype).removeprefix("torch."),
         }
+        if self.kv_scales is not None:  # (only then: layouts with unit scales stay as they were)
+            layout["kv_scales"] = self.kv_scales
+        return layout
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -122,8 +134,10 @@ def tensor_from_bytes(data: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> 
 def kv_cache_fingerprint(config: EngineConfig) -> str:
     """A short hex id of what KV blocks depend on besides their tokens: the model's config
     and weights (sampled: size plus the first and last MiB of every weights file; dummy
-    weights: their seed), the model's dtype (K/V computed in it), the KV cache's dtype and the
-    block size. The same in every process that loads the same checkpoint."""
+    weights: their seed), the model's dtype (K/V computed in it), the KV cache's dtype, the
+    block size and, with calculate_kv_scales, what its calibration depends on besides those
+    (the seed and the calibration prompt's length: worker/kv_scales.py).
+    The same in every process that loads the same checkpoint."""
     mc = config.model_config
     h = hashlib.sha256()
     hf = mc.hf_config.to_dict() if hasattr(mc.hf_config, "to_dict") else vars(mc.hf_config)
@@ -131,6 +145,10 @@ def kv_cache_fingerprint(config: EngineConfig) -> str:
     layout = [str(mc.dtype), config.cache_config.block_size]
     if config.kv_cache_torch_dtype != mc.dtype:  # only then: a cache in the model's dtype
         layout.append(str(config.kv_cache_torch_dtype))  # keeps the id it had before fp8
+    if config.cache_config.calculate_kv_scales:  # fp8 scales from a seeded calibration
+        from pagedllm.worker.kv_scales import calibration_tokens
+
+        layout += ["calculate_kv_scales", mc.seed, calibration_tokens(config)]
     h.update(json.dumps(layout).encode())
     if config.load_config.load_format == "dummy":
         h.update(f"dummy weights, seed {mc.seed}".encode())

@@ -178,9 +178,14 @@ class MultiConnector(KVConnectorBase_V1):
 
     # ---- worker side --------------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], block_dim: int) -> None:
+    def register_kv_caches(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        block_dim: int,
+        kv_scales: dict[str, tuple[float, float]] | None = None,
+    ) -> None:
         for connector in self.connectors:
-            connector.register_kv_caches(kv_caches, block_dim)
+            connector.register_kv_caches(kv_caches, block_dim, kv_scales)
 
     def bind_connector_metadata(self, metadata: KVConnectorMetadata | None) -> None:
         super().bind_connector_metadata(metadata)

@@ -277,8 +277,13 @@ class OffloadingConnector(KVConnectorBase_V1):
 
     # ---- worker side --------------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], block_dim: int) -> None:
-        self._kv = kv = PagedKVBlocks(kv_caches, block_dim)
+    def register_kv_caches(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        block_dim: int,
+        kv_scales: dict[str, tuple[float, float]] | None = None,
+    ) -> None:
+        self._kv = kv = PagedKVBlocks(kv_caches, block_dim, kv_scales)
         if kv.bytes_per_block != self.block_bytes:
             raise ValueError(
                 f"the KV cache holds {kv.bytes_per_block} bytes per block, the OffloadingConnector "

@@ -250,8 +250,13 @@ class P2pZmqConnector(KVConnectorBase_V1):
 
     # ---- worker side --------------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], block_dim: int) -> None:
-        self._kv = PagedKVBlocks(kv_caches, block_dim)
+    def register_kv_caches(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        block_dim: int,
+        kv_scales: dict[str, tuple[float, float]] | None = None,
+    ) -> None:
+        self._kv = PagedKVBlocks(kv_caches, block_dim, kv_scales)
         cfg = self.kv_transfer_config
         if cfg.is_kv_producer:
             self._sender = KVSender(

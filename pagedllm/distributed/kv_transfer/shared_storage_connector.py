@@ -150,8 +150,13 @@ class SharedStorageConnector(KVConnectorBase_V1):
 
     # ---- worker side --------------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], block_dim: int) -> None:
-        self._kv = PagedKVBlocks(kv_caches, block_dim)
+    def register_kv_caches(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        block_dim: int,
+        kv_scales: dict[str, tuple[float, float]] | None = None,
+    ) -> None:
+        self._kv = PagedKVBlocks(kv_caches, block_dim, kv_scales)
         claim_layout(self.directory, self._kv.describe())
 
     def start_load_kv(self) -> None:

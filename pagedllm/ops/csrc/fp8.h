@@ -1,8 +1,11 @@
 // fp8 KV caches (kv_cache_dtype "fp8" / "fp8_e4m3": torch.float8_e4m3fn; "fp8_e5m2":
-// torch.float8_e5m2), scale 1 as vLLM without checkpoint scales. A row is written from bf16 /
-// fp32 values saturated at the format's largest finite value and rounded to nearest even,
-// the bits `x.float().clamp(-M, M).to(torch.float8_*)` stores (NaN stays NaN); it is read
-// back widened exactly (every fp8 value is a bf16 and an fp32 value).
+// torch.float8_e5m2), with a scale per layer for K and one for V (1 unless calculate_kv_scales
+// set them: attention/fp8_kv.py). A row is written from bf16 / fp32 values times 1 / scale (the
+// reciprocal rounded to fp32 once), saturated at the format's largest finite value and
+// rounded to nearest even: the bits `(x.float() * inv).clamp(-M, M).to(torch.float8_*)` stores
+// (NaN stays NaN). It is read back as fp8 value times scale in fp32, rounded to the query's
+// type; with scale 1 that is the fp8 value itself, exactly (every fp8 value is a bf16 and an
+// fp32 value).
 //
 // The attention kernels never read fp8 rows themselves: an item (request, KV head) first
 // widens the rows it attends to into a contiguous scratch of the query's type, from where the
@@ -53,21 +56,23 @@ static inline uint8_t fp8_bits(float f, float kMax) {
   return static_cast<uint8_t>(sign | (nan ? 0x7Fu : bits));
 }
 
-// dst[0..n) = src's n values (bf16 or fp32) as fp8 of `kind`.
+// dst[0..n) = src's n values (bf16 or fp32) times inv (1 / the cache's scale) as fp8 of `kind`.
 template <class E>
 PAGEDLLM_CLONES static void fp8_store_row_t(uint8_t* dst, const typename E::T* src, int64_t n,
-                                            Fp8Kind kind) {
+                                            Fp8Kind kind, float inv) {
   if (kind == Fp8Kind::kE4M3)
-    for (int64_t i = 0; i < n; ++i) dst[i] = fp8_bits<3, 7>(E::load(src[i]), 448.f);
+    for (int64_t i = 0; i < n; ++i) dst[i] = fp8_bits<3, 7>(E::load(src[i]) * inv, 448.f);
   else
-    for (int64_t i = 0; i < n; ++i) dst[i] = fp8_bits<2, 15>(E::load(src[i]), 57344.f);
+    for (int64_t i = 0; i < n; ++i) dst[i] = fp8_bits<2, 15>(E::load(src[i]) * inv, 57344.f);
 }
 
-static inline void fp8_store_row(uint8_t* dst, const uint16_t* src, int64_t n, Fp8Kind kind) {
-  fp8_store_row_t<Bf16>(dst, src, n, kind);
+static inline void fp8_store_row(uint8_t* dst, const uint16_t* src, int64_t n, Fp8Kind kind,
+                                 float inv) {
+  fp8_store_row_t<Bf16>(dst, src, n, kind, inv);
 }
-static inline void fp8_store_row(uint8_t* dst, const float* src, int64_t n, Fp8Kind kind) {
-  fp8_store_row_t<Fp32>(dst, src, n, kind);
+static inline void fp8_store_row(uint8_t* dst, const float* src, int64_t n, Fp8Kind kind,
+                                 float inv) {
+  fp8_store_row_t<Fp32>(dst, src, n, kind, inv);
 }
 
 // The fp32 value of fp8 bits b of `kind` (the portable path's lookup tables are built with it).
@@ -153,16 +158,51 @@ PAGEDLLM_AVX512_TARGET static void fp8_widen_rows_avx512(T* dst, const uint8_t* 
   }
 }
 
-// The portable path: each value's bf16 bits looked up (exact in fp32 too), its sign put back.
-template <class T>
-static void fp8_widen_rows_portable(T* dst, const uint8_t* src, int64_t n, int64_t src_stride,
-                                    int64_t D, Fp8Kind kind) {
+// A scale other than 1 (calculate_kv_scales): the fp8 values widened to fp32, times scale,
+// rounded to the row type (to nearest even: the scales' floor, attention/fp8_kv.py, keeps the
+// products far from bf16's subnormals, so vcvtneps2bf16's flush to zero never applies).
+template <Fp8Kind K, class T>
+PAGEDLLM_AVX512_TARGET static void fp8_widen_rows_scaled_avx512(T* dst, const uint8_t* src,
+                                                                int64_t n, int64_t src_stride,
+                                                                int64_t D, float scale,
+                                                                const uint8_t* ahead,
+                                                                int64_t ahead_n) {
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < n; ++i, src += src_stride, dst += D) {
+    if (i < ahead_n)
+      for (int64_t off = 0; off < D; off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + i * src_stride + off), _MM_HINT_T1);
+    for (int64_t j = 0; j < D; j += 16) {
+      const __mmask16 m = lanes16(j, D);
+      const __m512 v = _mm512_mul_ps(
+          fp8x16_to_ps<K>(_mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, src + j))), s);
+      if constexpr (std::is_same_v<T, float>) {
+        _mm512_mask_storeu_ps(dst + j, m, v);
+      } else {  // fp32_to_bf16 on 16 lanes
+        const __m512i u = _mm512_castps_si512(v);
+        const __m512i r = _mm512_srli_epi32(
+            _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))),
+            16);
+        _mm256_mask_storeu_epi16(dst + j, m, _mm512_cvtepi32_epi16(r));
+      }
+    }
+  }
+}
+
+// The portable path: each value's bf16 bits looked up (exact in fp32 too), its sign put back;
+// times scale, rounded to the row type, where scale is not 1.
+template <class E>
+static void fp8_widen_rows_portable(typename E::T* dst, const uint8_t* src, int64_t n,
+                                    int64_t src_stride, int64_t D, Fp8Kind kind, float scale) {
   const uint16_t* table = kFp8Bf16.bits[static_cast<int>(kind)];
   for (int64_t i = 0; i < n; ++i)
     for (int64_t j = 0; j < D; ++j) {
       const uint8_t b = src[i * src_stride + j];
       const uint16_t bits = table[b & 0x7F] | static_cast<uint16_t>((b & 0x80) << 8);
-      if constexpr (std::is_same_v<T, float>)
+      if (scale != 1.f)
+        dst[i * D + j] = E::store(bf16_to_fp32(bits) * scale);
+      else if constexpr (std::is_same_v<E, Fp32>)
         dst[i * D + j] = bf16_to_fp32(bits);
       else
         dst[i * D + j] = bits;
@@ -236,12 +276,19 @@ static std::atomic<bool>& fp8_vbmi() {
   return use;
 }
 
-// fp8_widen_rows_avx512's work for rows of format `kind`, into bf16 (uint16_t) or fp32 rows,
-// on any CPU.
-template <class T>
-static void fp8_widen_rows(T* dst, const uint8_t* src, int64_t n, int64_t src_stride, int64_t D,
-                           Fp8Kind kind, const uint8_t* ahead, int64_t ahead_n) {
-  if (!cpu_has_avx512()) return fp8_widen_rows_portable(dst, src, n, src_stride, D, kind);
+// fp8_widen_rows_avx512's work for rows of format `kind` times `scale`, into bf16 (E = Bf16)
+// or fp32 rows, on any CPU.
+template <class E>
+static void fp8_widen_rows(typename E::T* dst, const uint8_t* src, int64_t n, int64_t src_stride,
+                           int64_t D, Fp8Kind kind, float scale, const uint8_t* ahead,
+                           int64_t ahead_n) {
+  using T = typename E::T;
+  if (!cpu_has_avx512()) return fp8_widen_rows_portable<E>(dst, src, n, src_stride, D, kind, scale);
+  if (scale != 1.f) {
+    if (kind == Fp8Kind::kE4M3)
+      return fp8_widen_rows_scaled_avx512<Fp8Kind::kE4M3>(dst, src, n, src_stride, D, scale, ahead, ahead_n);
+    return fp8_widen_rows_scaled_avx512<Fp8Kind::kE5M2>(dst, src, n, src_stride, D, scale, ahead, ahead_n);
+  }
   if constexpr (std::is_same_v<T, uint16_t>) {
     if (cpu_has_avx512_vbmi() && fp8_vbmi().load(std::memory_order_relaxed)) {
       if (kind == Fp8Kind::kE4M3)

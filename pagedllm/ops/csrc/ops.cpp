@@ -803,17 +803,31 @@ void check_kv_cache(const at::Tensor& kv_cache, const at::Tensor& like) {
               "kv_cache: contiguous [2, num_blocks, block_size, Hkv, D]");
 }
 
+// An fp8 cache's K and V scales (fp8.h): the ops' k_scale / v_scale arguments, which a cache
+// in the model's dtype leaves at 1.
+struct KvScales {
+  float k = 1.f, v = 1.f;
+  KvScales(const at::Tensor& kv_cache, double k_scale, double v_scale)
+      : k(static_cast<float>(k_scale)), v(static_cast<float>(v_scale)) {
+    TORCH_CHECK(k > 0.f && v > 0.f && std::isfinite(k) && std::isfinite(v),
+                "k_scale / v_scale: positive and finite, got ", k_scale, " / ", v_scale);
+    TORCH_CHECK(fp8_kind(kv_cache) || (k == 1.f && v == 1.f),
+                "k_scale / v_scale apply to an fp8 KV cache only");
+  }
+};
+
 // Writes rows of K and V heads (bf16 / fp32, E's) into their cache slots: copied into a cache
-// of their own dtype, stored as fp8 (fp8.h) into an fp8 one.
+// of their own dtype, stored as fp8 (fp8.h: times 1 / the scale) into an fp8 one.
 struct KvRowWriter {
   char* k_plane;
   int64_t v_offset, row, elem;  // V plane - K plane (bytes); a slot's row (elements); bytes an element
   std::optional<Fp8Kind> fp8;
+  float k_inv, v_inv;  // 1 / the scales, rounded to fp32 once
 
-  explicit KvRowWriter(at::Tensor& kv_cache)
+  KvRowWriter(at::Tensor& kv_cache, const KvScales& scales)
       : k_plane(static_cast<char*>(kv_cache.data_ptr())),
         row(kv_cache.size(3) * kv_cache.size(4)), elem(kv_cache.element_size()),
-        fp8(fp8_kind(kv_cache)) {
+        fp8(fp8_kind(kv_cache)), k_inv(1.f / scales.k), v_inv(1.f / scales.v) {
     v_offset = kv_cache.size(1) * kv_cache.size(2) * row * elem;
   }
   // n elements of k and of v at element `offset` of slot `slot`'s row.
@@ -821,8 +835,8 @@ struct KvRowWriter {
   void put(int64_t slot, int64_t offset, const T* k, const T* v, int64_t n) const {
     char* dst = k_plane + (slot * row + offset) * elem;
     if (fp8) {
-      fp8_store_row(reinterpret_cast<uint8_t*>(dst), k, n, *fp8);
-      fp8_store_row(reinterpret_cast<uint8_t*>(dst + v_offset), v, n, *fp8);
+      fp8_store_row(reinterpret_cast<uint8_t*>(dst), k, n, *fp8, k_inv);
+      fp8_store_row(reinterpret_cast<uint8_t*>(dst + v_offset), v, n, *fp8, v_inv);
     } else {
       std::memcpy(dst, k, n * sizeof(T));
       std::memcpy(dst + v_offset, v, n * sizeof(T));
@@ -830,21 +844,23 @@ struct KvRowWriter {
   }
 };
 
-// An fp8 cache's rows of one (request, KV head), widened into a contiguous scratch of the
-// query's type, from where the bf16 / fp32 attention kernels read them: keys at rows [0, Lp),
-// values at [Lp, 2 Lp), D elements a row. `args` has the paged cache's shape, block table and
-// seq_lens (its kv pointer unused); `local` reads the scratch (block table: the identity).
+// An fp8 cache's rows of one (request, KV head), widened (times their scales) into a
+// contiguous scratch of the query's type, from where the bf16 / fp32 attention kernels read
+// them: keys at rows [0, Lp), values at [Lp, 2 Lp), D elements a row. `args` has the paged
+// cache's shape, block table and seq_lens (its kv pointer unused); `local` reads the scratch
+// (block table: the identity).
 template <class E>
 struct Fp8Rows {
   using T = typename E::T;
   const uint8_t* cache;
   int64_t slots, Lp;
   Fp8Kind kind;
+  KvScales scales;
   std::vector<int32_t> identity;  // block i of the scratch is block i
 
-  Fp8Rows(const at::Tensor& kv_cache, int64_t max_len, Fp8Kind kind)
+  Fp8Rows(const at::Tensor& kv_cache, int64_t max_len, Fp8Kind kind, const KvScales& scales)
       : cache(static_cast<const uint8_t*>(kv_cache.data_ptr())),
-        slots(kv_cache.size(1) * kv_cache.size(2)), kind(kind) {
+        slots(kv_cache.size(1) * kv_cache.size(2)), kind(kind), scales(scales) {
     const int64_t bs = kv_cache.size(2), blocks = (max_len + bs - 1) / bs;
     Lp = blocks * bs;
     identity.resize(blocks);
@@ -864,8 +880,8 @@ struct Fp8Rows {
       for (int64_t t = from; t < to;) {
         const int64_t n = std::min(to - t, bs - t % bs), ahead = t + kLookahead;
         const int64_t ahead_n = ahead < to ? std::min({n, to - ahead, bs - ahead % bs}) : 0;
-        fp8_widen_rows(rows + (plane * Lp + t) * D, at(t), n, stride, D, kind,
-                       ahead_n ? at(ahead) : nullptr, ahead_n);
+        fp8_widen_rows<E>(rows + (plane * Lp + t) * D, at(t), n, stride, D, kind,
+                          plane ? scales.v : scales.k, ahead_n ? at(ahead) : nullptr, ahead_n);
         t += n;
       }
     }
@@ -898,7 +914,7 @@ const int64_t* checked_slots(const at::Tensor& slot_mapping, int64_t slots) {
 // element), stored as fp8 into an fp8 one (KvRowWriter). Rows may be strided (the K and V
 // columns of the fused QKV output); each row's heads must be contiguous.
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache,
-                       const at::Tensor& slot_mapping) {
+                       const at::Tensor& slot_mapping, double k_scale, double v_scale) {
   check_like(value, key, "value");
   check_kv_cache(kv_cache, key);
   const int64_t row = kv_cache.size(3) * kv_cache.size(4);
@@ -910,7 +926,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   const int64_t n = slot_mapping.numel();
   TORCH_CHECK(n <= key.size(0) && n <= value.size(0), "slot_mapping has more rows than key / value");
   const int64_t* slot = checked_slots(slot_mapping, slots);
-  const KvRowWriter cache(kv_cache);
+  const KvRowWriter cache(kv_cache, KvScales(kv_cache, k_scale, v_scale));
   by_dtype(key, "key", [&]<class E>() {
     at::parallel_for(0, n, row_grain(2 * row), [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t)
@@ -924,7 +940,8 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 template <class Before>
 at::Tensor decode_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache,
                                  const at::Tensor& block_table, const at::Tensor& seq_lens,
-                                 int64_t max_seq_len, double scale, Before&& before) {
+                                 int64_t max_seq_len, double scale, const KvScales& scales,
+                                 Before&& before) {
   check_kv_cache(kv_cache, q);
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "query: [B, H, D] rows");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.stride(1) == 1, "block_table: int32");
@@ -945,7 +962,7 @@ at::Tensor decode_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache
                         seq_lens.data_ptr<int32_t>(), static_cast<float>(scale), Hkv * D, D};
     // An fp8 cache: each item's rows widened first, then the same kernels on them.
     std::optional<Fp8Rows<E>> widened;
-    if (fp8) widened.emplace(kv_cache, max_seq_len, *fp8);
+    if (fp8) widened.emplace(kv_cache, max_seq_len, *fp8, scales);
     at::parallel_for(0, B * Hkv, 1, [&](int64_t b, int64_t e) {
       const ThreadScratch<float, kDecodeAttnScratch> own(scratch);
       const ThreadScratch<typename E::T, kFp8RowsScratch> rows(widened ? 2 * widened->Lp * D : 0);
@@ -967,9 +984,10 @@ at::Tensor decode_attention_impl(const at::Tensor& q, const at::Tensor& kv_cache
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache,
                                   const at::Tensor& block_table, const at::Tensor& seq_lens,
-                                  int64_t max_seq_len, double scale) {
+                                  int64_t max_seq_len, double scale, double k_scale,
+                                  double v_scale) {
   return decode_attention_impl(q, kv_cache, block_table, seq_lens, max_seq_len, scale,
-                               [](auto, int64_t, int64_t) {});
+                               KvScales(kv_cache, k_scale, v_scale), [](auto, int64_t, int64_t) {});
 }
 
 // A decode step's rotary_embedding, reshape_and_cache and paged_decode_attention on its qkv
@@ -985,7 +1003,7 @@ at::Tensor decode_rope_cache_attention(const at::Tensor& qkv, int64_t q_size, in
                                        int64_t head_size, int64_t rot, at::Tensor& kv_cache,
                                        const at::Tensor& slot_mapping, const at::Tensor& block_table,
                                        const at::Tensor& seq_lens, int64_t max_seq_len, double scale,
-                                       const HeadNorms& norms) {
+                                       const HeadNorms& norms, const KvScales& scales) {
   check_any_rows(qkv, "qkv");
   const int64_t T = qkv.size(0), hkv = kv_size / head_size;
   TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size && kv_size % head_size == 0 && q_size % kv_size == 0,
@@ -997,10 +1015,11 @@ at::Tensor decode_rope_cache_attention(const at::Tensor& qkv, int64_t q_size, in
   const int64_t* slot = checked_slots(slot_mapping, kv_cache.size(1) * kv_cache.size(2));
   const float* cs = cos_sin_cache.data_ptr<float>();
   const int64_t group = q_size / kv_size, ld = qkv.stride(0);
-  const KvRowWriter cache(kv_cache);
+  const KvRowWriter cache(kv_cache, scales);
   at::Tensor q = qkv.narrow(1, 0, q_size).view({T, q_size / head_size, head_size});
   return decode_attention_impl(
-      q, kv_cache, block_table, seq_lens, max_seq_len, scale, [&]<class E>(E, int64_t b, int64_t h) {
+      q, kv_cache, block_table, seq_lens, max_seq_len, scale, scales,
+      [&]<class E>(E, int64_t b, int64_t h) {
         using V = typename E::T;
         const auto rope = rope_kernel<E>();
         V* r = data<E>(qkv) + b * ld;
@@ -1021,7 +1040,7 @@ at::Tensor decode_rope_cache_attention(const at::Tensor& qkv, int64_t q_size, in
 void paged_prefill_attention(const at::Tensor& q, at::Tensor& out, const at::Tensor& kv_cache,
                              const at::Tensor& block_table, const at::Tensor& seq_lens,
                              const at::Tensor& query_start_loc, const at::Tensor& reqs,
-                             double scale) {
+                             double scale, double k_scale, double v_scale) {
   TORCH_CHECK(cpu_has_avx2_fma(), "pagedllm::paged_prefill_attention needs AVX2 and FMA");
   check_kv_cache(kv_cache, q);
   check_like(out, q, "out");
@@ -1046,6 +1065,7 @@ void paged_prefill_attention(const at::Tensor& q, at::Tensor& out, const at::Ten
   const bool tiles = bf16 && !amx && prefill_tiles_head_size(D) && cpu_has_avx512_bf16();
   const int64_t item_rows = amx || tiles ? kPrefillTileRows : kPrefillRows;
   const std::optional<Fp8Kind> fp8 = fp8_kind(kv_cache);
+  const KvScales scales(kv_cache, k_scale, v_scale);
   std::vector<int64_t> items;  // request, row block, KV head
   int64_t max_len = 0;
   for (int64_t i = 0; i < reqs.numel(); ++i) {
@@ -1073,7 +1093,7 @@ void paged_prefill_attention(const at::Tensor& q, at::Tensor& out, const at::Ten
                         block_table.data_ptr<int32_t>(), block_table.stride(0), lens,
                         static_cast<float>(scale), Hkv * D, D};
     std::optional<Fp8Rows<E>> widened;
-    if (fp8) widened.emplace(kv_cache, max_len, *fp8);
+    if (fp8) widened.emplace(kv_cache, max_len, *fp8, scales);
     std::atomic<int64_t> next{0};
     // kernel(args, request, KV head, first row) for each item this thread claims; with an fp8
     // cache, args read the item's keys widened into the thread's scratch (those it widened
@@ -1257,7 +1277,7 @@ at::Tensor decoder_layer_decode(
     const c10::optional<at::Tensor>& down_scale, const c10::optional<at::Tensor>& down_colsum,
     const c10::optional<at::Tensor>& down_bias, int64_t down_n,
     const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm,
-    double qk_eps) {
+    double qk_eps, double k_scale, double v_scale) {
   const int64_t T = x.size(0);
   TORCH_CHECK(block_table.size(0) == T && seq_lens.numel() == T,
               "decoder_layer_decode: one decode request a row");
@@ -1267,7 +1287,7 @@ at::Tensor decoder_layer_decode(
   const at::Tensor qkv = project(h, qkv_kind, qkv_w, qkv_scale, qkv_colsum, qkv_bias, qkv_n);
   const at::Tensor attn = decode_rope_cache_attention(
       qkv, q_size, kv_size, positions, cos_sin_cache, head_size, rot, kv_cache, slot_mapping,
-      block_table, seq_lens, max_seq_len, scale, norms);
+      block_table, seq_lens, max_seq_len, scale, norms, KvScales(kv_cache, k_scale, v_scale));
   return attention_out_mlp(attn.view({T, q_size}), res, o_kind, o_w, o_scale, o_colsum, o_bias,
                            o_n, norm2_weight, eps2, gu_kind, gu_w, gu_scale, gu_colsum, gu_bias,
                            gu_n, down_kind, down_w, down_scale, down_colsum, down_bias, down_n);
@@ -1289,6 +1309,7 @@ struct DecodeStack : torch::CustomClassHolder {
   struct Layer {
     at::Tensor norm_w, norm2_w, cos_sin_cache;
     c10::optional<at::Tensor> q_norm, k_norm;
+    at::Tensor kv_scales;  // the layer's [k_scale, v_scale] (fp32), read at each step
     double eps, eps2, scale, qk_eps;
     int64_t q_size, kv_size, head_size, rot;
     Projection qkv, o, gate_up, down;
@@ -1326,13 +1347,15 @@ struct DecodeStack : torch::CustomClassHolder {
   }
 
   // tensors: per projection (qkv, o, gate_up, down) its weight, scale, colsum and bias, then
-  // the two norms' weights, the RoPE table and the per-head q and k norms' weights (None
-  // without); ints: the projections' kinds and widths (kind, n each), then q_size, kv_size,
-  // head_size, rot; floats: eps, eps2, scale, the q/k norms' eps.
+  // the two norms' weights, the RoPE table, the per-head q and k norms' weights (None
+  // without) and the layer's K/V scales (a [2] fp32 tensor the attention layer owns: read at
+  // each step, so scales set after the stack was built reach it); ints: the projections'
+  // kinds and widths (kind, n each), then q_size, kv_size, head_size, rot; floats: eps, eps2,
+  // scale, the q/k norms' eps.
   void add_layer(const c10::List<c10::optional<at::Tensor>>& tensors, const c10::List<int64_t>& ints,
                  const c10::List<double>& floats) {
-    TORCH_CHECK(tensors.size() == 21 && ints.size() == 12 && floats.size() == 4,
-                "DecodeStack.add_layer: 21 tensors, 12 ints, 4 floats");
+    TORCH_CHECK(tensors.size() == 22 && ints.size() == 12 && floats.size() == 4,
+                "DecodeStack.add_layer: 22 tensors, 12 ints, 4 floats");
     auto need = [&](size_t i) {
       const c10::optional<at::Tensor> t = tensors.get(i);
       TORCH_CHECK(t.has_value(), "DecodeStack.add_layer: tensor ", i, " is required");
@@ -1347,6 +1370,10 @@ struct DecodeStack : torch::CustomClassHolder {
     l.norm2_w = need(17);
     l.cos_sin_cache = need(18);
     l.q_norm = tensors.get(19), l.k_norm = tensors.get(20);
+    l.kv_scales = need(21);
+    TORCH_CHECK(l.kv_scales.scalar_type() == at::kFloat && l.kv_scales.numel() == 2 &&
+                    l.kv_scales.is_contiguous(),
+                "DecodeStack.add_layer: the K/V scales, a [2] float32 tensor");
     l.q_size = ints.get(8), l.kv_size = ints.get(9), l.head_size = ints.get(10), l.rot = ints.get(11);
     l.eps = floats.get(0), l.eps2 = floats.get(1), l.scale = floats.get(2), l.qk_eps = floats.get(3);
     layers.push_back(std::move(l));
@@ -1371,7 +1398,8 @@ struct DecodeStack : torch::CustomClassHolder {
           block_table, seq_lens, max_seq_len, l.scale, l.o.kind, l.o.w, l.o.scale, l.o.colsum,
           l.o.bias, l.o.n, l.norm2_w, l.eps2, l.gate_up.kind, l.gate_up.w, l.gate_up.scale,
           l.gate_up.colsum, l.gate_up.bias, l.gate_up.n, l.down.kind, l.down.w, l.down.scale,
-          l.down.colsum, l.down.bias, l.down.n, l.q_norm, l.k_norm, l.qk_eps);
+          l.down.colsum, l.down.bias, l.down.n, l.q_norm, l.k_norm, l.qk_eps,
+          l.kv_scales.data_ptr<float>()[0], l.kv_scales.data_ptr<float>()[1]);
       if (!r) r = h;
       h = out;
     }
@@ -1431,13 +1459,16 @@ TORCH_LIBRARY(pagedllm, m) {
         &pagedllm::apply_token_bitmask);
   m.def("rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos_sin_cache, "
         "int head_size, int rot) -> ()", &pagedllm::rotary_embedding);
-  m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()",
+  m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping, "
+        "float k_scale=1., float v_scale=1.) -> ()",
         &pagedllm::reshape_and_cache);
   m.def("paged_prefill_attention(Tensor q, Tensor(a!) out, Tensor kv_cache, Tensor block_table, "
-        "Tensor seq_lens, Tensor query_start_loc, Tensor reqs, float scale) -> ()",
+        "Tensor seq_lens, Tensor query_start_loc, Tensor reqs, float scale, float k_scale=1., "
+        "float v_scale=1.) -> ()",
         &pagedllm::paged_prefill_attention);
   m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
-        "int max_seq_len, float scale) -> Tensor", &pagedllm::paged_decode_attention);
+        "int max_seq_len, float scale, float k_scale=1., float v_scale=1.) -> Tensor",
+        &pagedllm::paged_decode_attention);
   m.def("attention_in(Tensor x, Tensor(a!)? residual, Tensor norm_weight, float eps, "
         "int qkv_kind, Tensor qkv_w, Tensor? qkv_scale, Tensor? qkv_colsum, Tensor? qkv_bias, "
         "int qkv_n, int q_size, int kv_size, Tensor positions, Tensor cos_sin_cache, "
@@ -1458,7 +1489,8 @@ TORCH_LIBRARY(pagedllm, m) {
         "int gu_kind, Tensor gu_w, Tensor? gu_scale, Tensor? gu_colsum, Tensor? gu_bias, "
         "int gu_n, int down_kind, Tensor down_w, Tensor? down_scale, Tensor? down_colsum, "
         "Tensor? down_bias, int down_n, Tensor? q_norm=None, Tensor? k_norm=None, "
-        "float qk_eps=0.) -> Tensor", &pagedllm::decoder_layer_decode);
+        "float qk_eps=0., float k_scale=1., float v_scale=1.) -> Tensor",
+        &pagedllm::decoder_layer_decode);
 }
 
 TORCH_LIBRARY_IMPL(pagedllm, CPU, m) {

@@ -13,6 +13,9 @@ interpreted kernels, which `make test` checks, would not store what the GPU stor
   native CPU store's algorithm (ops/csrc/fp8.h's fp8_bits), bit for bit.
 - `fp8_decode`: fp8 bits -> their fp32 values, exactly (e5m2 is fp16's upper byte; e4m3 moved
   into fp16's fields is the value times 2^-8, subnormals included; e4m3's NaN codes stay NaN).
+- `fp8_read`: fp8 bits -> their value times the cache's scale, rounded to the query's dtype
+  to nearest even (bf16 by integer operations: the interpreter's fp32 -> bf16 cast truncates,
+  `fp_downcast_rounding` or not).
 """
 
 from __future__ import annotations
@@ -78,3 +81,15 @@ def fp8_decode(b, FP8: tl.constexpr):
     h = ((w & 0x80) << 8) | ((w & 0x7F) << 7)
     v = h.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
     return tl.where((w & 0x7F) == 0x7F, float("nan"), v)
+
+
+@triton.jit
+def fp8_read(b, FP8: tl.constexpr, scale, dtype: tl.constexpr):
+    """uint8 fp8 bits `b` of format FP8 read as `dtype`: the value times `scale` (fp32),
+    rounded to nearest even."""
+    x = fp8_decode(b, FP8) * scale
+    if dtype == tl.bfloat16:
+        u = x.to(tl.uint32, bitcast=True)
+        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return x.to(dtype)

@@ -4,8 +4,8 @@ Token t goes to slot `slot_mapping[t]` = block * block_size + offset of the cach
 `[2, num_blocks, block_size, num_kv_heads, head_size]`. A negative slot (a padding row, e.g.
 of a CUDA-graph batch padded to its captured size) is skipped. One program per token copies
 all of its heads; key/value rows may be strided views (q/k/v split from one fused GEMM). An
-fp8 cache (`kv_cache_dtype`) gets each value stored as fp8 (`fp8.fp8_encode`: saturated,
-rounded to nearest even, the bits the other backends store).
+fp8 cache (`kv_cache_dtype`) gets each value times 1 / its scale stored as fp8
+(`fp8.fp8_encode`: saturated, rounded to nearest even, the bits the other backends store).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.attention.fp8_kv import UNIT_SCALES, KVScales
 from pagedllm.ops.triton import next_power_of_2
 from pagedllm.ops.triton.fp8 import cache_view, fp8_code, fp8_encode
 
@@ -25,6 +26,8 @@ def _reshape_and_cache_kernel(
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D] (an fp8 cache's bytes: FP8 > 0)
     v_cache_ptr,  # same strides as k_cache
     slot_mapping_ptr,  # [T] int64
+    k_inv,  # fp8: 1 / the keys' scale (fp32)
+    v_inv,
     stride_k_t,
     stride_k_h,
     stride_v_t,
@@ -60,8 +63,8 @@ def _reshape_and_cache_kernel(
         mask=mask,
     )
     if FP8:
-        tl.store(k_cache_ptr + dst, fp8_encode(k.to(tl.float32), FP8), mask=mask)
-        tl.store(v_cache_ptr + dst, fp8_encode(v.to(tl.float32), FP8), mask=mask)
+        tl.store(k_cache_ptr + dst, fp8_encode(k.to(tl.float32) * k_inv, FP8), mask=mask)
+        tl.store(v_cache_ptr + dst, fp8_encode(v.to(tl.float32) * v_inv, FP8), mask=mask)
     else:
         tl.store(k_cache_ptr + dst, k, mask=mask)
         tl.store(v_cache_ptr + dst, v, mask=mask)
@@ -72,6 +75,7 @@ def reshape_and_cache(
     value: torch.Tensor,  # [>= N, Hkv, D], last dim contiguous
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
     slot_mapping: torch.Tensor,  # [N] int64; < 0: skip the row
+    kv_scales: KVScales = UNIT_SCALES,  # an fp8 cache's (attention/fp8_kv.py)
 ) -> None:
     """Write rows 0..N-1 of key/value at their slots (N = len(slot_mapping))."""
     num_tokens = slot_mapping.shape[0]
@@ -86,6 +90,8 @@ def reshape_and_cache(
         key_cache,
         value_cache,
         slot_mapping,
+        kv_scales.k_inv,
+        kv_scales.v_inv,
         key.stride(0),
         key.stride(1),
         value.stride(0),

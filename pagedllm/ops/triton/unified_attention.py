@@ -20,9 +20,9 @@ online softmax (fp32 running max, sum and accumulator).
 Every output row is reduced over its keys in the same tile order whatever else is in the
 batch, so the result of a request does not depend on its batch (batch invariance).
 
-An fp8 cache (`kv_cache_dtype`) is read as its bytes, each K / V tile widened exactly to the
-query's dtype (`fp8.fp8_decode`) before the same products: the bits the kernel gives over that
-cache widened beforehand.
+An fp8 cache (`kv_cache_dtype`) is read as its bytes, each K / V tile widened to fp32, times
+its scale and rounded to the query's dtype (`fp8.fp8_read`) before the same products: the
+bits the kernel gives over that cache read back beforehand.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.attention.fp8_kv import UNIT_SCALES, KVScales
 from pagedllm.ops.triton import next_power_of_2
-from pagedllm.ops.triton.fp8 import cache_view, fp8_code, fp8_decode
+from pagedllm.ops.triton.fp8 import cache_view, fp8_code, fp8_read
 
 # Query rows per program (BLOCK_M) when the heads of one KV head fit in it; keys per tile.
 _BLOCK_M = 16
@@ -65,6 +66,8 @@ def _unified_attention_kernel(
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
     scale,
+    k_scale,  # fp8: the keys' scale (fp32)
+    v_scale,
     num_seqs,
     stride_q_t,
     stride_q_h,
@@ -127,7 +130,7 @@ def _unified_attention_kernel(
             other=0.0,
         )  # [HEAD_PAD, TILE]
         if FP8:
-            k = fp8_decode(k, FP8).to(q.dtype)
+            k = fp8_read(k, FP8, k_scale, q.dtype)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [M, TILE] fp32
         allowed = row_ok[:, None] & k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
         s = tl.where(allowed, s, float("-inf"))
@@ -143,7 +146,7 @@ def _unified_attention_kernel(
             other=0.0,
         )  # [TILE, HEAD_PAD]
         if FP8:
-            v = fp8_decode(v, FP8).to(q.dtype)
+            v = fp8_read(v, FP8, v_scale, q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -162,6 +165,7 @@ def unified_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     scale: float,
+    kv_scales: KVScales = UNIT_SCALES,  # an fp8 cache's (attention/fp8_kv.py)
 ) -> torch.Tensor:
     """Causal paged attention of every query row over its request's cached keys and values.
 
@@ -186,6 +190,8 @@ def unified_attention(
         seq_lens,
         query_start_loc,
         scale,
+        kv_scales.k,
+        kv_scales.v,
         num_seqs,
         query.stride(0),
         query.stride(1),

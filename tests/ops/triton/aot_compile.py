@@ -45,6 +45,8 @@ def _variants():
                     "seq_lens_ptr": "*i32",
                     "query_start_loc_ptr": "*i32",
                     "scale": "fp32",
+                    "k_scale": "fp32",
+                    "v_scale": "fp32",
                     "num_seqs": num_seqs,
                     **dict.fromkeys(
                         (
@@ -82,6 +84,8 @@ def _variants():
                 "k_cache_ptr": f"*{cache}",
                 "v_cache_ptr": f"*{cache}",
                 "slot_mapping_ptr": "*i64",
+                "k_inv": "fp32",
+                "v_inv": "fp32",
                 **dict.fromkeys(
                     (
                         "stride_k_t",

@@ -92,3 +92,28 @@ def test_fp8_cache_stores_the_saturated_cast(device, fp8, dtype):
     untouched = torch.ones(got.shape[1], dtype=torch.bool)
     untouched[slots[real]] = False
     assert (got[:, untouched] == 0).all()
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_fp8_cache_stores_values_times_the_inverse_scale(device, fp8):
+    """With calculate_kv_scales' scales: `(x.float() * inv).clamp(-M, M).to(fp8)`, inv the
+    fp32 reciprocal of the plane's scale, bit for bit (the native and torch stores' rule)."""
+    import numpy as np
+
+    from pagedllm.attention.fp8_kv import KVScales
+    from pagedllm.ops.triton.reshape_and_cache import reshape_and_cache
+
+    gen = torch.Generator().manual_seed(4)
+    scales = KVScales(0.0371, 2.6)
+    key = (torch.randn(9, 2, 32, generator=gen) * 3).to(torch.bfloat16)
+    value = (torch.randn(9, 2, 32, generator=gen) * 300).to(torch.bfloat16)
+    cache = torch.zeros(2, 4, 8, 2, 32, dtype=fp8).to(device)
+    slots = torch.randperm(32, generator=gen)[:9]
+    reshape_and_cache(key.to(device), value.to(device), cache, slots.to(device), scales)
+    got = cache.cpu().view(torch.uint8).view(2, -1, 2, 32)
+    bound = torch.finfo(fp8).max
+    for plane, x, s in ((0, key, scales.k), (1, value, scales.v)):
+        inv = float(np.float32(1.0) / np.float32(s))
+        want = (x.float() * inv).clamp(-bound, bound).to(fp8).view(torch.uint8)
+        assert torch.equal(got[plane, slots], want)

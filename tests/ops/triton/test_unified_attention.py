@@ -143,3 +143,24 @@ def test_fp8_cache_is_the_widened_cache(device, case, dtype, fp8):
     n = batch.num_tokens
     assert torch.isfinite(out[:n].float()).all()
     assert torch.equal(out[:n], widened[:n])
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_cache_with_scales_is_the_cache_read_back(device, dtype):
+    """With K / V scales: the bits over the cache read back as fp8 value times scale in
+    fp32, rounded to the query's dtype."""
+    from pagedllm.attention.fp8_kv import KVScales
+    from pagedllm.ops.triton.unified_attention import unified_attention
+
+    batch = _make("mixed", dtype, device)
+    fp8_cache = batch.kv_cache.float().clamp(-448, 448).to(torch.float8_e4m3fn)
+    scales = KVScales(0.0371, 2.6)
+    common, scale = batch.common, batch.query.shape[-1] ** -0.5
+    args = (common.block_table, common.seq_lens, common.query_start_loc, scale)
+    out, ref = torch.zeros_like(batch.query), torch.zeros_like(batch.query)
+    unified_attention(out, batch.query, fp8_cache, *args, scales)
+    read = torch.stack([(fp8_cache[0].float() * scales.k), (fp8_cache[1].float() * scales.v)])
+    unified_attention(ref, batch.query, read.to(dtype), *args)
+    n = batch.num_tokens
+    assert torch.equal(out[:n], ref[:n])
