@@ -7,8 +7,10 @@ of 9 passes) and the K/V bytes read per second.
     python scripts/cpu_decode_attention.py [--fp8]
     python scripts/cpu_decode_attention.py BATCH CONTEXT [ROUNDS]
 
---fp8: each case also over an fp8 (e4m3) cache, the two alternated case by case, 3 times
-(kv_cache_dtype="fp8": each item's rows widened to bf16 before the same kernel).
+--fp8: each case also over an fp8 (e4m3) cache, at scale 1 and with K / V scales as
+calculate_kv_scales sets them, the three alternated case by case, 3 times (kv_cache_dtype="fp8":
+each item's rows widened to bf16 before the same kernel; at scale 1 by byte lookups, else
+through fp32 times the scale).
 
 With BATCH and CONTEXT it times that one case (SmolLM2's heads, 30 caches) call by call, with
 4 MB of other memory written before each call, as a decode step's weights flush the caches
@@ -42,6 +44,7 @@ def time_case(
     bs=16,
     flushed=0,
     kv_dtype=torch.bfloat16,
+    kv_scales=(1.0, 1.0),
 ):
     """(microseconds per call, GB/s of K/V read); flushed > 0: the median of `flushed` rounds
     of calls timed one by one, each after writing 4 MB elsewhere. kv_dtype: the cache's (an
@@ -59,7 +62,7 @@ def time_case(
     lens = torch.full((B,), L, dtype=torch.int32)
     q = torch.randn(B, H, D, generator=g).bfloat16()
     for kv in kvs[:2]:
-        ops.paged_decode_attention(q, kv, table, lens, L, D**-0.5)
+        ops.paged_decode_attention(q, kv, table, lens, L, D**-0.5, *kv_scales)
     times = []  # seconds a call: one by one after a flush, or per pass over the caches
     if flushed:
         other, chunk = torch.zeros(64 << 20, dtype=torch.uint8), 4 << 20
@@ -67,13 +70,13 @@ def time_case(
             for i, kv in enumerate(kvs):
                 other[i % 16 * chunk : (i % 16 + 1) * chunk].add_(1)
                 t0 = time.perf_counter()
-                ops.paged_decode_attention(q, kv, table, lens, L, D**-0.5)
+                ops.paged_decode_attention(q, kv, table, lens, L, D**-0.5, *kv_scales)
                 times.append(time.perf_counter() - t0)
     else:
         for _ in range(9):
             t0 = time.perf_counter()
             for kv in kvs:
-                ops.paged_decode_attention(q, kv, table, lens, L, D**-0.5)
+                ops.paged_decode_attention(q, kv, table, lens, L, D**-0.5, *kv_scales)
             times.append((time.perf_counter() - t0) / len(kvs))
     seconds = statistics.median(times)
     return seconds * 1e6, B * L * HKV * D * 2 * kvs[0].element_size() / seconds / 1e9
@@ -106,16 +109,25 @@ def main() -> None:
             us, gbs = time_case(ops, **kw)
             print(f"| {name} | {us:,.1f} | {gbs:.1f} |")
         return
-    print("| case | bf16 cache: us a call (GB/s) | fp8 cache: us a call (GB/s) | bf16 / fp8 time |")
-    print("|---|---|---|---|")
+    print(
+        "| case | bf16 cache: us a call (GB/s) | fp8 cache: us a call (GB/s) | bf16 / fp8 time "
+        "| fp8, scaled: us a call | bf16 / fp8 scaled time |"
+    )
+    print("|---|---|---|---|---|---|")
+    variants = {
+        "bf16": dict(kv_dtype=torch.bfloat16),
+        "fp8": dict(kv_dtype=torch.float8_e4m3fn),
+        "scaled": dict(kv_dtype=torch.float8_e4m3fn, kv_scales=(0.0516, 0.0047)),
+    }
     for name, kw in cases.items():
-        runs = {torch.bfloat16: [], torch.float8_e4m3fn: []}
+        runs = {v: [] for v in variants}
         for _ in range(3):
-            for dtype, got in runs.items():
-                got.append(time_case(ops, **kw, kv_dtype=dtype))
-        (b_us, b_gbs), (f_us, f_gbs) = (min(r) for r in runs.values())
+            for v, got in runs.items():
+                got.append(time_case(ops, **kw, **variants[v]))
+        (b_us, b_gbs), (f_us, f_gbs), (s_us, _) = (min(r) for r in runs.values())
         print(
-            f"| {name} | {b_us:,.1f} ({b_gbs:.1f}) | {f_us:,.1f} ({f_gbs:.1f}) | {b_us / f_us:.2f}x |"
+            f"| {name} | {b_us:,.1f} ({b_gbs:.1f}) | {f_us:,.1f} ({f_gbs:.1f}) | {b_us / f_us:.2f}x "
+            f"| {s_us:,.1f} | {b_us / s_us:.2f}x |"
         )
 
 

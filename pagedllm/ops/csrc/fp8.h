@@ -98,8 +98,7 @@ PAGEDLLM_AVX512_TARGET static inline __m512 fp8x16_to_ps(__m256i w) {
   return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
 }
 
-// The bf16 bits of the 128 non-negative fp8 values of `kind` (bits 0 .. 127), as four
-// registers of 32 words: the table two word permutes look 32 values up in.
+// The bf16 bits of the 128 non-negative fp8 values of `kind` (bits 0 .. 127).
 struct Fp8Bf16Table {
   uint16_t bits[2][128];
   Fp8Bf16Table() {
@@ -109,8 +108,26 @@ struct Fp8Bf16Table {
 };
 static const Fp8Bf16Table kFp8Bf16;
 
-// 32 fp8 values (bits in 16-bit lanes) -> their bf16 bits: the magnitude (7 bits) looked up,
-// the sign put back.
+// What a bf16 query reads for the 128 non-negative fp8 codes of `kind` in a cache of scale
+// `scale`: each value times the scale in fp32, rounded to bf16 (at scale 1 the value itself,
+// exactly). A negative code reads the negated value (rounding to nearest even is symmetric),
+// so the lookups below put the sign bit back. The bits as words, and as their high and low
+// bytes (the VBMI byte lookups' tables). Built once per layer call (two per op: K and V).
+struct Fp8Bf16Lut {
+  alignas(64) uint16_t bits[128];
+  alignas(64) uint8_t hi[128];
+  alignas(64) uint8_t lo[128];
+  Fp8Bf16Lut(Fp8Kind kind, float scale) {
+    const uint16_t* unit = kFp8Bf16.bits[static_cast<int>(kind)];
+    for (int b = 0; b < 128; ++b) {
+      const uint16_t v = scale == 1.f ? unit[b] : fp32_to_bf16(bf16_to_fp32(unit[b]) * scale);
+      bits[b] = v, hi[b] = static_cast<uint8_t>(v >> 8), lo[b] = static_cast<uint8_t>(v);
+    }
+  }
+};
+
+// 32 fp8 values (bits in 16-bit lanes) -> their bf16 bits: the magnitude (7 bits) looked up
+// in t (an Fp8Bf16Lut's words, four registers of 32), the sign put back.
 PAGEDLLM_AVX512_TARGET static inline __m512i fp8x32_to_bf16(__m512i w, const __m512i t[4]) {
   const __mmask32 high = _mm512_test_epi16_mask(w, _mm512_set1_epi16(0x40));
   // vpermt2w reads index bits 0-5 only: bit 6 picks the table pair; the sign (bit 7) moves
@@ -120,119 +137,89 @@ PAGEDLLM_AVX512_TARGET static inline __m512i fp8x32_to_bf16(__m512i w, const __m
   return _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8));
 }
 
-// n fp8 rows of D values (format K), src_stride bytes apart from src, widened into D-element
-// rows at dst; meanwhile the ahead_n rows (same stride) from ahead are requested into L2, so a
-// walk over scattered cache blocks keeps the memory busy ahead of it.
-// bf16 rows by table lookup (32 values in 7 instructions), fp32 rows through fp16.
-template <Fp8Kind K, class T>
-PAGEDLLM_AVX512_TARGET static void fp8_widen_rows_avx512(T* dst, const uint8_t* src, int64_t n,
-                                                         int64_t src_stride, int64_t D,
-                                                         const uint8_t* ahead, int64_t ahead_n) {
+// Requests the ahead_n rows (src_stride bytes apart, D bytes each) from ahead into L2 as the
+// widening walks its own: a walk over scattered cache blocks keeps the memory busy ahead of it.
+static inline void fp8_request_row(const uint8_t* ahead, int64_t i, int64_t ahead_n,
+                                   int64_t src_stride, int64_t D) {
+  if (i < ahead_n)
+    for (int64_t off = 0; off < D; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + i * src_stride + off), _MM_HINT_T1);
+}
+
+// n fp8 rows of D values, src_stride bytes apart from src, widened into D-element bf16 rows at
+// dst by word lookups in `lut` (32 values in 7 instructions).
+PAGEDLLM_AVX512_TARGET static void fp8_widen_rows_bf16_avx512(uint16_t* dst, const uint8_t* src, int64_t n,
+                                                              int64_t src_stride, int64_t D,
+                                                              const Fp8Bf16Lut& lut,
+                                                              const uint8_t* ahead, int64_t ahead_n) {
   __m512i table[4];
-  if constexpr (std::is_same_v<T, uint16_t>)
-    for (int i = 0; i < 4; ++i)
-      table[i] = _mm512_loadu_si512(kFp8Bf16.bits[static_cast<int>(K)] + 32 * i);
+  for (int i = 0; i < 4; ++i) table[i] = _mm512_load_si512(lut.bits + 32 * i);
   for (int64_t i = 0; i < n; ++i, src += src_stride, dst += D) {
-    if (i < ahead_n)
-      for (int64_t off = 0; off < D; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + i * src_stride + off), _MM_HINT_T1);
+    fp8_request_row(ahead, i, ahead_n, src_stride, D);
     for (int64_t j = 0; j < D; j += 32) {
       const bool whole = D - j >= 32;
       const __mmask32 m = whole ? ~__mmask32(0) : (__mmask32(1) << (D - j)) - 1;
       const __m512i w = _mm512_cvtepu8_epi16(
           whole ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j))
                 : _mm256_maskz_loadu_epi8(m, src + j));
-      if constexpr (std::is_same_v<T, uint16_t>) {
-        // (A masked store only for a row's tail: on Zen 4 it is several times a plain one's cost.)
-        if (whole)
-          _mm512_storeu_si512(dst + j, fp8x32_to_bf16(w, table));
-        else
-          _mm512_mask_storeu_epi16(dst + j, m, fp8x32_to_bf16(w, table));
-      } else {
-        _mm512_mask_storeu_ps(dst + j, static_cast<__mmask16>(m),
-                              fp8x16_to_ps<K>(_mm512_castsi512_si256(w)));
-        _mm512_mask_storeu_ps(dst + j + 16, static_cast<__mmask16>(m >> 16),
-                              fp8x16_to_ps<K>(_mm512_extracti64x4_epi64(w, 1)));
-      }
+      // (A masked store only for a row's tail: on Zen 4 it is several times a plain one's cost.)
+      if (whole)
+        _mm512_storeu_si512(dst + j, fp8x32_to_bf16(w, table));
+      else
+        _mm512_mask_storeu_epi16(dst + j, m, fp8x32_to_bf16(w, table));
     }
   }
 }
 
-// A scale other than 1 (calculate_kv_scales): the fp8 values widened to fp32, times scale,
-// rounded to the row type (to nearest even: the scales' floor, attention/fp8_kv.py, keeps the
-// products far from bf16's subnormals, so vcvtneps2bf16's flush to zero never applies).
-template <Fp8Kind K, class T>
-PAGEDLLM_AVX512_TARGET static void fp8_widen_rows_scaled_avx512(T* dst, const uint8_t* src,
-                                                                int64_t n, int64_t src_stride,
-                                                                int64_t D, float scale,
-                                                                const uint8_t* ahead,
-                                                                int64_t ahead_n) {
+// The same into fp32 rows: through fp16 (exact), times the scale where it is not 1.
+template <Fp8Kind K>
+PAGEDLLM_AVX512_TARGET static void fp8_widen_rows_fp32_avx512(float* dst, const uint8_t* src, int64_t n,
+                                                              int64_t src_stride, int64_t D, float scale,
+                                                              const uint8_t* ahead, int64_t ahead_n) {
   const __m512 s = _mm512_set1_ps(scale);
   for (int64_t i = 0; i < n; ++i, src += src_stride, dst += D) {
-    if (i < ahead_n)
-      for (int64_t off = 0; off < D; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + i * src_stride + off), _MM_HINT_T1);
+    fp8_request_row(ahead, i, ahead_n, src_stride, D);
     for (int64_t j = 0; j < D; j += 16) {
       const __mmask16 m = lanes16(j, D);
-      const __m512 v = _mm512_mul_ps(
-          fp8x16_to_ps<K>(_mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, src + j))), s);
-      if constexpr (std::is_same_v<T, float>) {
-        _mm512_mask_storeu_ps(dst + j, m, v);
-      } else {  // fp32_to_bf16 on 16 lanes
-        const __m512i u = _mm512_castps_si512(v);
-        const __m512i r = _mm512_srli_epi32(
-            _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
-                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))),
-            16);
-        _mm256_mask_storeu_epi16(dst + j, m, _mm512_cvtepi32_epi16(r));
-      }
+      __m512 v = fp8x16_to_ps<K>(_mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, src + j)));
+      if (scale != 1.f) v = _mm512_mul_ps(v, s);
+      _mm512_mask_storeu_ps(dst + j, m, v);
     }
   }
 }
 
-// The portable path: each value's bf16 bits looked up (exact in fp32 too), its sign put back;
-// times scale, rounded to the row type, where scale is not 1.
+// The portable path: each value's bits looked up, its sign put back (bf16 rows: in `lut`;
+// fp32 rows: the exact value, times the scale).
 template <class E>
 static void fp8_widen_rows_portable(typename E::T* dst, const uint8_t* src, int64_t n,
-                                    int64_t src_stride, int64_t D, Fp8Kind kind, float scale) {
-  const uint16_t* table = kFp8Bf16.bits[static_cast<int>(kind)];
+                                    int64_t src_stride, int64_t D, Fp8Kind kind, float scale,
+                                    const Fp8Bf16Lut& lut) {
+  const uint16_t* unit = kFp8Bf16.bits[static_cast<int>(kind)];
   for (int64_t i = 0; i < n; ++i)
     for (int64_t j = 0; j < D; ++j) {
       const uint8_t b = src[i * src_stride + j];
-      const uint16_t bits = table[b & 0x7F] | static_cast<uint16_t>((b & 0x80) << 8);
-      if (scale != 1.f)
-        dst[i * D + j] = E::store(bf16_to_fp32(bits) * scale);
-      else if constexpr (std::is_same_v<E, Fp32>)
-        dst[i * D + j] = bf16_to_fp32(bits);
+      const uint16_t sign = static_cast<uint16_t>((b & 0x80) << 8);
+      if constexpr (std::is_same_v<E, Fp32>)
+        dst[i * D + j] = bf16_to_fp32(unit[b & 0x7F] | sign) * scale;
       else
-        dst[i * D + j] = bits;
+        dst[i * D + j] = lut.bits[b & 0x7F] | sign;
     }
 }
 
 // With AVX512-VBMI (Zen 4 has it; Ice Lake and later): bf16 rows 64 values at a time by byte
 // lookups, twice fp8x32_to_bf16's values for about its instructions. The high and low bytes of
-// each value's bf16 bits come from two 128-byte tables (vpermi2b: index bits 0-6, so the sign
-// bit is not looked up but OR-ed into the high byte), then unpacked into words. The unpacks
-// interleave within 128-bit lanes, so the 64 input bytes are first put in the order that
-// makes the two 32-word results come out in the values' order.
+// each value's bf16 bits come from `lut`'s two 128-byte tables (vpermi2b: index bits 0-6, so
+// the sign bit is not looked up but OR-ed into the high byte), then unpacked into words. The
+// unpacks interleave within 128-bit lanes, so the 64 input bytes are first put in the order
+// that makes the two 32-word results come out in the values' order.
 #define PAGEDLLM_VBMI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi")))
 
-template <Fp8Kind K>
 PAGEDLLM_VBMI_TARGET static void fp8_widen_rows_vbmi(uint16_t* dst, const uint8_t* src, int64_t n,
                                                      int64_t src_stride, int64_t D,
-                                                     const uint8_t* ahead, int64_t ahead_n) {
-  static const auto bytes = [] {  // [high, low][128]
-    struct {
-      uint8_t b[2][128];
-    } t;
-    for (int v = 0; v < 128; ++v) {
-      const uint16_t bits = kFp8Bf16.bits[static_cast<int>(K)][v];
-      t.b[0][v] = static_cast<uint8_t>(bits >> 8), t.b[1][v] = static_cast<uint8_t>(bits);
-    }
-    return t;
-  }();
-  const __m512i hi0 = _mm512_loadu_si512(bytes.b[0]), hi1 = _mm512_loadu_si512(bytes.b[0] + 64);
-  const __m512i lo0 = _mm512_loadu_si512(bytes.b[1]), lo1 = _mm512_loadu_si512(bytes.b[1] + 64);
+                                                     const Fp8Bf16Lut& lut, const uint8_t* ahead,
+                                                     int64_t ahead_n) {
+  const __m512i hi0 = _mm512_load_si512(lut.hi), hi1 = _mm512_load_si512(lut.hi + 64);
+  const __m512i lo0 = _mm512_load_si512(lut.lo), lo1 = _mm512_load_si512(lut.lo + 64);
   // Position p of lane k = p / 16 takes value 8 k + p % 16 (first half of the lane) or
   // 32 + 8 k + p % 16 - 8 (second half): unpacklo then yields values 0-31, unpackhi 32-63.
   alignas(64) static const uint8_t order_bytes[64] = {
@@ -243,9 +230,7 @@ PAGEDLLM_VBMI_TARGET static void fp8_widen_rows_vbmi(uint16_t* dst, const uint8_
   const __m512i order = _mm512_load_si512(order_bytes);
   const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t i = 0; i < n; ++i, src += src_stride, dst += D) {
-    if (i < ahead_n)
-      for (int64_t off = 0; off < D; off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + i * src_stride + off), _MM_HINT_T1);
+    fp8_request_row(ahead, i, ahead_n, src_stride, D);
     for (int64_t j = 0; j < D; j += 64) {
       const int64_t rest = D - j;
       const __m512i raw = rest >= 64 ? _mm512_loadu_si512(src + j)
@@ -276,29 +261,23 @@ static std::atomic<bool>& fp8_vbmi() {
   return use;
 }
 
-// fp8_widen_rows_avx512's work for rows of format `kind` times `scale`, into bf16 (E = Bf16)
-// or fp32 rows, on any CPU.
+// n fp8 rows of format `kind` (src_stride bytes apart), read as E's type with `scale` into
+// D-element rows at dst, on any CPU (lut: `kind` and `scale`'s table, for bf16 rows).
 template <class E>
 static void fp8_widen_rows(typename E::T* dst, const uint8_t* src, int64_t n, int64_t src_stride,
-                           int64_t D, Fp8Kind kind, float scale, const uint8_t* ahead,
-                           int64_t ahead_n) {
-  using T = typename E::T;
-  if (!cpu_has_avx512()) return fp8_widen_rows_portable<E>(dst, src, n, src_stride, D, kind, scale);
-  if (scale != 1.f) {
+                           int64_t D, Fp8Kind kind, float scale, const Fp8Bf16Lut& lut,
+                           const uint8_t* ahead, int64_t ahead_n) {
+  if (!cpu_has_avx512())
+    return fp8_widen_rows_portable<E>(dst, src, n, src_stride, D, kind, scale, lut);
+  if constexpr (std::is_same_v<E, Fp32>) {
     if (kind == Fp8Kind::kE4M3)
-      return fp8_widen_rows_scaled_avx512<Fp8Kind::kE4M3>(dst, src, n, src_stride, D, scale, ahead, ahead_n);
-    return fp8_widen_rows_scaled_avx512<Fp8Kind::kE5M2>(dst, src, n, src_stride, D, scale, ahead, ahead_n);
+      return fp8_widen_rows_fp32_avx512<Fp8Kind::kE4M3>(dst, src, n, src_stride, D, scale, ahead, ahead_n);
+    return fp8_widen_rows_fp32_avx512<Fp8Kind::kE5M2>(dst, src, n, src_stride, D, scale, ahead, ahead_n);
+  } else {
+    if (cpu_has_avx512_vbmi() && fp8_vbmi().load(std::memory_order_relaxed))
+      return fp8_widen_rows_vbmi(dst, src, n, src_stride, D, lut, ahead, ahead_n);
+    fp8_widen_rows_bf16_avx512(dst, src, n, src_stride, D, lut, ahead, ahead_n);
   }
-  if constexpr (std::is_same_v<T, uint16_t>) {
-    if (cpu_has_avx512_vbmi() && fp8_vbmi().load(std::memory_order_relaxed)) {
-      if (kind == Fp8Kind::kE4M3)
-        return fp8_widen_rows_vbmi<Fp8Kind::kE4M3>(dst, src, n, src_stride, D, ahead, ahead_n);
-      return fp8_widen_rows_vbmi<Fp8Kind::kE5M2>(dst, src, n, src_stride, D, ahead, ahead_n);
-    }
-  }
-  if (kind == Fp8Kind::kE4M3)
-    return fp8_widen_rows_avx512<Fp8Kind::kE4M3>(dst, src, n, src_stride, D, ahead, ahead_n);
-  fp8_widen_rows_avx512<Fp8Kind::kE5M2>(dst, src, n, src_stride, D, ahead, ahead_n);
 }
 
 }  // namespace pagedllm

@@ -856,11 +856,13 @@ struct Fp8Rows {
   int64_t slots, Lp;
   Fp8Kind kind;
   KvScales scales;
+  Fp8Bf16Lut luts[2];  // K's and V's codes read as bf16 (fp8.h)
   std::vector<int32_t> identity;  // block i of the scratch is block i
 
   Fp8Rows(const at::Tensor& kv_cache, int64_t max_len, Fp8Kind kind, const KvScales& scales)
       : cache(static_cast<const uint8_t*>(kv_cache.data_ptr())),
-        slots(kv_cache.size(1) * kv_cache.size(2)), kind(kind), scales(scales) {
+        slots(kv_cache.size(1) * kv_cache.size(2)), kind(kind), scales(scales),
+        luts{Fp8Bf16Lut(kind, scales.k), Fp8Bf16Lut(kind, scales.v)} {
     const int64_t bs = kv_cache.size(2), blocks = (max_len + bs - 1) / bs;
     Lp = blocks * bs;
     identity.resize(blocks);
@@ -881,7 +883,8 @@ struct Fp8Rows {
         const int64_t n = std::min(to - t, bs - t % bs), ahead = t + kLookahead;
         const int64_t ahead_n = ahead < to ? std::min({n, to - ahead, bs - ahead % bs}) : 0;
         fp8_widen_rows<E>(rows + (plane * Lp + t) * D, at(t), n, stride, D, kind,
-                          plane ? scales.v : scales.k, ahead_n ? at(ahead) : nullptr, ahead_n);
+                          plane ? scales.v : scales.k, luts[plane], ahead_n ? at(ahead) : nullptr,
+                          ahead_n);
         t += n;
       }
     }
