@@ -30,22 +30,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
     os.environ.setdefault("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")
-    from pagedllm import LLM
     from pagedllm.testing import agreement
-    from pagedllm.transformers_utils.tokenizer import get_tokenizer
 
-    prompts = agreement.chat_prompts(get_tokenizer(args.model))
-    outs, prompt_ids, top1 = {}, [], {}
-    for name, kwargs in VARIANTS.items():
-        llm = LLM(
-            model=args.model, dtype=args.dtype, max_model_len=2048, kv_cache_memory=512 << 20,
-            **kwargs,
-        )  # fmt: skip
-        ids, outs[name] = agreement.greedy_continuations(llm, prompts, args.tokens)
-        prompt_ids = prompt_ids or ids
-        top1[name] = agreement.teacher_forced_top1(llm, prompt_ids, outs["auto"])
-        llm.shutdown()
-    print(f"{len(prompts)} prompts x {args.tokens} greedy tokens, against the {args.dtype} cache")
+    count, outs, top1 = agreement.compare_engines(args.model, args.dtype, args.tokens, VARIANTS)
+    print(f"{count} prompts x {args.tokens} greedy tokens, against the {args.dtype} cache")
     print(
         "| KV cache | free-running: before the first disagreement | positions equal | "
         "requests identical | teacher-forced top-1 |"
@@ -54,8 +42,7 @@ def main() -> None:
     for name in VARIANTS:
         before, positions, identical = agreement.free_running(outs["auto"], outs[name])
         print(
-            f"| {name} | {before:.1%} | {positions:.1%} | {identical}/{len(prompts)} | "
-            f"{top1[name]:.1%} |"
+            f"| {name} | {before:.1%} | {positions:.1%} | {identical}/{count} | {top1[name]:.1%} |"
         )
 
 

@@ -23,29 +23,15 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
     os.environ.setdefault("PAGEDLLM_ENABLE_MULTIPROCESSING", "0")
-    from pagedllm import LLM
     from pagedllm.testing import agreement
-    from pagedllm.transformers_utils.tokenizer import get_tokenizer
 
-    prompts = agreement.chat_prompts(get_tokenizer(args.model))
-    outs, prompt_ids, top1 = {}, [], {}
-    for q in (None, "int8"):
-        llm = LLM(
-            model=args.model,
-            dtype=args.dtype,
-            quantization=q,
-            max_model_len=2048,
-            kv_cache_memory=512 << 20,
-        )
-        ids, outs[q] = agreement.greedy_continuations(llm, prompts, args.tokens)
-        prompt_ids = prompt_ids or ids
-        top1[q] = agreement.teacher_forced_top1(llm, prompt_ids, outs[None])
-        llm.shutdown()
+    variants = {None: {}, "int8": {"quantization": "int8"}}
+    count, outs, top1 = agreement.compare_engines(args.model, args.dtype, args.tokens, variants)
     before_first, positions, identical = agreement.free_running(outs[None], outs["int8"])
     print(
-        f"{len(prompts)} prompts x {args.tokens} greedy tokens, int8 against {args.dtype}: "
+        f"{count} prompts x {args.tokens} greedy tokens, int8 against {args.dtype}: "
         f"free-running {before_first:.1%} of tokens before the first disagreement, "
-        f"{positions:.1%} of positions equal, {identical}/{len(prompts)} requests identical; "
+        f"{positions:.1%} of positions equal, {identical}/{count} requests identical; "
         f"teacher-forced top-1 {top1['int8']:.1%} (the {args.dtype} engine itself: "
         f"{top1[None]:.1%})"
     )

@@ -88,3 +88,26 @@ def free_running(a: list[list[int]], b: list[list[int]]) -> tuple[float, float, 
         total += len(x)
         identical += first == len(x)
     return before_first / total, positions / total, identical
+
+
+def compare_engines(
+    model: str, dtype: str, tokens: int, variants: dict[str, dict[str, Any]]
+) -> tuple[int, dict[str, list[list[int]]], dict[str, float]]:
+    """Each variant's engine (`LLM` keyword arguments over `model` in `dtype`; the first is
+    the reference) run in turn over the chat prompts: (prompt count, greedy continuations by
+    variant, teacher-forced top-1 agreement with the reference's continuations by variant)."""
+    from pagedllm import LLM
+    from pagedllm.transformers_utils.tokenizer import get_tokenizer
+
+    prompts = chat_prompts(get_tokenizer(model))
+    reference = next(iter(variants))
+    outs: dict[str, list[list[int]]] = {}
+    top1: dict[str, float] = {}
+    prompt_ids: list[list[int]] = []
+    for name, kwargs in variants.items():
+        llm = LLM(model=model, dtype=dtype, max_model_len=2048, kv_cache_memory=512 << 20, **kwargs)
+        ids, outs[name] = greedy_continuations(llm, prompts, tokens)
+        prompt_ids = prompt_ids or ids
+        top1[name] = teacher_forced_top1(llm, prompt_ids, outs[reference])
+        llm.shutdown()
+    return len(prompts), outs, top1
