@@ -53,7 +53,8 @@ class Attention(nn.Module):
         # (`set_kv_scales`: calculate_kv_scales). `kv_scales_tensor` holds the same two values
         # for the native fused decode layers (layers/cpu_fused.py), which read it each step.
         self.kv_scales: KVScales = UNIT_SCALES
-        self.kv_scales_tensor = torch.ones(2, dtype=torch.float32)
+        # (On the CPU whatever device the model is built under: only the CPU's fused ops read it.)
+        self.kv_scales_tensor = torch.ones(2, dtype=torch.float32, device="cpu")
 
     def set_kv_scales(self, scales: KVScales) -> None:
         self.kv_scales = scales

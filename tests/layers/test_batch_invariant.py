@@ -195,11 +195,15 @@ def test_what_the_mode_cannot_vouch_for_is_refused(tiny_llama_dir, kwargs, field
         args.create_engine_config()
 
 
-def _attend_steps(backend, steps, qkv, cache_dtype=torch.float32, num_blocks=32, block_size=16):
+def _attend_steps(
+    backend, steps, qkv, cache_dtype=torch.float32, num_blocks=32, block_size=16, kv_scales=None
+):
     """Run `steps` (each a list of (request, first position, rows)) through `backend` over
-    one cache of `cache_dtype`; request r's tokens are `qkv[r]` = (q, k, v) [n, H(kv), D] and
-    its blocks are r * 8 ... . Returns {(request, position): output row [H, D]}."""
+    one cache of `cache_dtype` (an fp8 one with `kv_scales`, if given); request r's tokens
+    are `qkv[r]` = (q, k, v) [n, H(kv), D] and its blocks are r * 8 ... . Returns
+    {(request, position): output row [H, D]}."""
     from pagedllm.attention.backend import CommonAttentionMetadata
+    from pagedllm.attention.fp8_kv import UNIT_SCALES
 
     h_kv, d = qkv[0][1].shape[1:]
     shape = backend.get_kv_cache_shape(num_blocks, block_size, h_kv, d)
@@ -215,22 +219,33 @@ def _attend_steps(backend, steps, qkv, cache_dtype=torch.float32, num_blocks=32,
         )
         pick = [(r, int(p)) for r, p0, n in step for p in range(p0, p0 + n)]
         q, k, v = (torch.stack([qkv[r][i][p] for r, p in pick]) for i in range(3))
-        out = backend.forward(q, k, v, cache, backend.build_metadata(common), 0.25)
+        meta = backend.build_metadata(common)
+        out = backend.forward(q, k, v, cache, meta, 0.25, kv_scales or UNIT_SCALES)
         rows.update({rp: out[i] for i, rp in enumerate(pick)})
     return rows
 
 
 @pytest.mark.parametrize(
-    "invariant, cache_dtype",
-    [(True, torch.float32), (False, torch.float32), (True, torch.float8_e4m3fn)],
+    "invariant, cache_dtype, scaled",
+    [
+        (True, torch.float32, False),
+        (False, torch.float32, False),
+        (True, torch.float8_e4m3fn, False),
+        (True, torch.float8_e4m3fn, True),  # calculate_kv_scales-like scales
+    ],
 )
-def test_attention_row_is_the_same_in_prefill_chunks_decodes_and_batches(invariant, cache_dtype):
+def test_attention_row_is_the_same_in_prefill_chunks_decodes_and_batches(
+    invariant, cache_dtype, scaled
+):
     """One request's row 39 computed four ways: a 40-token prefill; chunks of 24 + 16; a
     decode after 39 prefilled; that decode batched with two others of other lengths (and a
-    prefill). The mode's backend gives one answer, over an fp8 cache too; the default torch
-    backend does not."""
+    prefill). The mode's backend gives one answer, over an fp8 cache too (with scales too);
+    the default torch backend does not."""
     from pagedllm.attention.batch_invariant_backend import BatchInvariantAttentionBackend
+    from pagedllm.attention.fp8_kv import KVScales
     from pagedllm.attention.torch_backend import TorchAttentionBackend
+
+    scales = KVScales(0.0371, 2.6) if scaled else None
 
     torch.manual_seed(0)
     qkv = [
@@ -243,14 +258,18 @@ def test_attention_row_is_the_same_in_prefill_chunks_decodes_and_batches(invaria
         [[(0, 0, 39)], [(0, 39, 1)]],
         [[(0, 0, 39), (1, 0, 61), (2, 0, 5)], [(2, 5, 1), (0, 39, 1), (1, 61, 1), (3, 0, 30)]],
     ]
-    results = [_attend_steps(backend, steps, qkv, cache_dtype)[(0, 39)] for steps in ways]
+    results = [
+        _attend_steps(backend, steps, qkv, cache_dtype, kv_scales=scales)[(0, 39)] for steps in ways
+    ]
     same = [torch.equal(results[0], r) for r in results[1:]]
     if invariant:
         assert all(same)
     else:
         assert not all(same)  # what the mode is there to remove
     # Every way is the same attention, numerically (GQA heads included): SDPA's prefill.
-    reference = _attend_steps(TorchAttentionBackend(), ways[0], qkv, cache_dtype)[(0, 39)]
+    reference = _attend_steps(TorchAttentionBackend(), ways[0], qkv, cache_dtype, kv_scales=scales)[
+        (0, 39)
+    ]
     for r in results:
         torch.testing.assert_close(r, reference, rtol=1e-5, atol=1e-6)
 
