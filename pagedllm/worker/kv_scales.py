@@ -9,8 +9,10 @@ V_SCALE_CONSTANT (vLLM's defaults, 200 and 100: the stored values reach at most 
 below e4m3's 448), floored at `MIN_KV_SCALE` (attention/fp8_kv.py); a layer whose K or V were
 all zero keeps 1.0. The token ids come from a generator seeded by the model's seed, so every
 engine on the same checkpoint, seed and settings (data-parallel ranks, a prefill and a decode
-instance) computes the same scales. With tensor parallelism each rank scales its own heads,
-with pipeline parallelism each stage its own layers (every rank runs the forward together).
+instance) computes the same scales. With tensor parallelism the ranks take the largest of
+their heads' maxima (a max over the group), so a layer's scales are the whole layer's, as
+with one rank; with pipeline parallelism each stage scales its own layers (every rank runs
+the forward together).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from pagedllm.attention.backend import CommonAttentionMetadata
 from pagedllm.attention.fp8_kv import MIN_KV_SCALE, KVScales
 from pagedllm.attention.layer import allocate_kv_caches, get_attention_layers
+from pagedllm.distributed.parallel_state import get_tp_group
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
@@ -91,7 +94,11 @@ def calculate_kv_scales(runner: ModelRunner) -> list[KVScales]:
             layer.kv_cache = None
     if device.type == "cuda":  # the forward's activations, before the real cache is allocated
         torch.cuda.empty_cache()
-    scales = [scales_from_maxima(*maxima[id(layer)]) for layer in layers]
+    seen = torch.tensor([maxima[id(layer)] for layer in layers], dtype=torch.float32)  # [L, 2]
+    tp = get_tp_group()
+    if tp.world_size > 1 and layers:  # every rank's heads: the layer's maxima
+        seen = tp.all_gather(seen[None].to(device), dim=0).amax(0).cpu()
+    scales = [scales_from_maxima(float(k), float(v)) for k, v in seen.tolist()]
     for layer, s in zip(layers, scales):
         layer.set_kv_scales(s)
     if scales:

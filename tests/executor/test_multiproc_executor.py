@@ -114,6 +114,31 @@ def test_greedy_identical_to_single_process(arch, layout, tiny_model_dirs, refer
     assert all(p.exitcode is not None for p in procs)  # shutdown leaves no worker
 
 
+def test_calculated_kv_scales_are_the_single_process_ones(tiny_model_dirs):
+    """calculate_kv_scales under TP=2 x PP=2: the ranks take the max over their heads, so every
+    layer gets the scales the single-process engine computes, and the greedy tokens over the
+    scaled fp8 cache are the single-process engine's (each rank's own heads' maxima gave other
+    scales, and other tokens)."""
+    model = tiny_model_dirs["qwen3"]
+    common = dict(
+        dtype="float32", kv_cache_dtype="fp8", calculate_kv_scales=True, max_model_len=112
+    )
+    single = LLM(model=model, kv_cache_memory_bytes=4 << 20, **common)
+    expected = _token_ids(_generate(single))
+    runner = single.llm_engine.engine_core.engine_core.executor.worker.model_runner
+    from pagedllm.attention.layer import get_attention_layers
+
+    scales = [layer.kv_scales for layer in get_attention_layers(runner.model)]
+    single.shutdown()
+    assert all(s.k != 1.0 for s in scales)
+    llm = LLM(model=model, kv_cache_memory_bytes=4 << 20, tensor_parallel_size=2,
+              pipeline_parallel_size=2, **common)  # fmt: skip
+    try:
+        assert _token_ids(_generate(llm)) == expected
+    finally:
+        llm.shutdown()
+
+
 @pytest.fixture(scope="module")
 def tp2xpp2_llm(tiny_llama_dir):
     llm = LLM(model=tiny_llama_dir, dtype="float32", kv_cache_memory_bytes=4 << 20,
