@@ -135,6 +135,7 @@ class EngineArgs:
             trust_remote_code=self.trust_remote_code,
             hf_overrides=_check_hf_overrides(self.hf_overrides),
         )
+        _check_unquantized(self.model, hf_config)
         max_model_len = self._resolve_max_model_len(hf_config)
         generation_config = self._generation_config(get_generation_config, model_dir)
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
@@ -386,6 +387,21 @@ def _check_hf_overrides(overrides: Any) -> Any:
             '{"max_position_embeddings": 4096}) or a callable that updates the config'
         )
     return overrides
+
+
+def _check_unquantized(model: str, hf_config: Any) -> None:
+    """A checkpoint quantized by another tool (config.json's `quantization_config`: FP8,
+    GPTQ, AWQ, compressed-tensors, a `kv_cache_scheme`'s scales...) is a ValueError naming its
+    method: its tensors (fp8 / packed weights, scales) are not loaded."""
+    qc = getattr(hf_config, "quantization_config", None)
+    if not qc:
+        return
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    raise ValueError(
+        f"model={model!r} is a quantized checkpoint (config.json quantization_config, "
+        f"quant_method={method!r}), which pagedllm does not load: pass the unquantized "
+        "checkpoint (quantization='int8' quantizes it here) or a GGUF file"
+    )
 
 
 def _check_load_format_compatible(load: LoadConfig, speculative_config: Any) -> None:

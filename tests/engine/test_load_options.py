@@ -250,3 +250,33 @@ def test_slow_mode_loads_a_slow_tokenizer(llama_dir, tmp_path, monkeypatch):
     (out,) = llm.generate(["hello"], params, use_tqdm=False)
     assert out.prompt_token_ids == tokenizer("hello").input_ids
     assert len(out.outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize(
+    "quantization_config, method",
+    [
+        ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "fp8"),
+        (
+            {"quant_method": "compressed-tensors", "kv_cache_scheme": {"num_bits": 8}},
+            "compressed-tensors",
+        ),
+        ({"quant_method": "gptq", "bits": 4}, "gptq"),
+    ],
+)
+def test_a_quantized_checkpoint_is_refused_by_its_method(
+    tmp_path, llama_dir, quantization_config, method
+):
+    """A checkpoint another tool quantized (its tensors fp8 or packed, with scales pagedllm
+    would not read) is refused by name at start-up, before any weight is loaded, not after
+    the first unknown tensor; the same checkpoint without quantization_config loads."""
+    import json
+
+    model = tmp_path / "quantized"
+    shutil.copytree(llama_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(
+        json.dumps({**config, "quantization_config": quantization_config})
+    )
+    with pytest.raises(ValueError, match=f"quantization_config, quant_method='{method}'"):
+        _config(str(model))
+    assert _config(llama_dir).model_config.quantization is None
