@@ -29,8 +29,6 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from pagedllm.attention.backend import CommonAttentionMetadata
-from pagedllm.attention.layer import allocate_kv_caches, get_attention_layers
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
 
@@ -160,37 +158,27 @@ def profile_run(runner: ModelRunner, num_tokens: int, num_reqs: int) -> None:
     (freed afterwards; `initialize_kv_cache` binds the real one), then the logits of each
     prompt's last token and top-k/top-p sampling of them: the largest step's activations."""
     num_reqs = max(1, min(num_reqs, num_tokens))
-    bs, device = runner.block_size, runner.device
+    device = runner.device
     lens = np.full(num_reqs, num_tokens // num_reqs, dtype=np.int64)
     lens[: num_tokens % num_reqs] += 1
-    blocks = -(-lens // bs)  # [R]
-    table = np.zeros((num_reqs, int(blocks.max())), dtype=np.int32)
-    table[np.arange(table.shape[1]) < blocks[:, None]] = np.arange(int(blocks.sum()))
-    allocate_kv_caches(
-        runner.model, runner.attn_backend, int(blocks.sum()), bs, runner.kv_cache_dtype, device
-    )
-    common, positions = CommonAttentionMetadata.for_spans(
-        table, np.zeros(num_reqs, dtype=np.int64), lens, bs, device
-    )
     input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=device)
-    # Every rank runs this together: a stage's forward receives from the previous stage, and
-    # only the ranks holding the LM head (the last stage) compute logits and sample.
-    hidden = runner.forward(common, input_ids, torch.from_numpy(positions).to(device))
-    if hidden is not None:
-        last_rows = torch.from_numpy(np.cumsum(lens) - 1).to(device)
-        logits = runner.model.compute_logits(hidden[last_rows])
-        if logits is not None:  # the driver's gathered vocabulary
-            params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
-            metadata = SamplingMetadata.build(
-                [params] * num_reqs,
-                [[0]] * num_reqs,
-                [[] for _ in range(num_reqs)],
-                [None] * num_reqs,
-                vocab_size=logits.shape[-1],
-                device=device,
-            )
-            runner.sampler(logits, metadata, overwrite=True)
-    for layer in get_attention_layers(runner.model):  # drop the scratch cache
-        layer.kv_cache = None
+    with runner.scratch_prompts(lens) as (common, positions):
+        # Every rank runs this together: a stage's forward receives from the previous stage,
+        # and only the ranks holding the LM head (the last stage) compute logits and sample.
+        hidden = runner.forward(common, input_ids, positions)
+        if hidden is not None:
+            last_rows = torch.from_numpy(np.cumsum(lens) - 1).to(device)
+            logits = runner.model.compute_logits(hidden[last_rows])
+            if logits is not None:  # the driver's gathered vocabulary
+                params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9)
+                metadata = SamplingMetadata.build(
+                    [params] * num_reqs,
+                    [[0]] * num_reqs,
+                    [[] for _ in range(num_reqs)],
+                    [None] * num_reqs,
+                    vocab_size=logits.shape[-1],
+                    device=device,
+                )
+                runner.sampler(logits, metadata, overwrite=True)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

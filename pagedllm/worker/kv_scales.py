@@ -23,9 +23,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pagedllm.attention.backend import CommonAttentionMetadata
 from pagedllm.attention.fp8_kv import MIN_KV_SCALE, KVScales
-from pagedllm.attention.layer import allocate_kv_caches, get_attention_layers
+from pagedllm.attention.layer import get_attention_layers
 from pagedllm.distributed.parallel_state import get_tp_group
 
 if TYPE_CHECKING:
@@ -71,27 +70,17 @@ def calculate_kv_scales(runner: ModelRunner) -> list[KVScales]:
             seen[1] = max(seen[1], float(v.detach().abs().max()))
 
     num_tokens = calibration_tokens(runner.config)
-    bs, device = runner.block_size, runner.device
-    blocks = -(-num_tokens // bs)
-    allocate_kv_caches(runner.model, runner.attn_backend, blocks, bs, runner.kv_cache_dtype, device)
-    common, positions = CommonAttentionMetadata.for_spans(
-        np.arange(blocks, dtype=np.int32)[None],
-        np.zeros(1, dtype=np.int64),
-        np.array([num_tokens], dtype=np.int64),
-        bs,
-        device,
-    )
+    device = runner.device
     vocab = runner.config.model_config.hf_config.vocab_size
     gen = torch.Generator().manual_seed(runner.config.model_config.seed)
     input_ids = torch.randint(vocab, (num_tokens,), generator=gen).to(device)
     hooks = [layer.register_forward_pre_hook(record) for layer in layers]
     try:
-        runner.forward(common, input_ids, torch.from_numpy(positions).to(device))
+        with runner.scratch_prompts(np.array([num_tokens], dtype=np.int64)) as (common, positions):
+            runner.forward(common, input_ids, positions)
     finally:
         for hook in hooks:
             hook.remove()
-        for layer in layers:  # drop the scratch cache (initialize_kv_cache binds the real one)
-            layer.kv_cache = None
     if device.type == "cuda":  # the forward's activations, before the real cache is allocated
         torch.cuda.empty_cache()
     seen = torch.tensor([maxima[id(layer)] for layer in layers], dtype=torch.float32)  # [L, 2]

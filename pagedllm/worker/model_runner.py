@@ -21,6 +21,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -218,6 +220,30 @@ class ModelRunner:
             )
             for layer in layers:
                 layer.kv_connector = self.kv_connector
+
+    @contextmanager
+    def scratch_prompts(
+        self, lens: np.ndarray
+    ) -> Iterator[tuple[CommonAttentionMetadata, torch.Tensor]]:
+        """Fresh prompts of `lens` tokens (int64 [R], each from position 0) over a scratch KV
+        cache bound to the model's layers for the block (dropped after it; initialize_kv_cache
+        binds the real one): (their metadata, positions) for a start-up forward (the GPU
+        memory profile, the calibration of calculate_kv_scales)."""
+        bs, device = self.block_size, self.device
+        blocks = -(-lens // bs)  # [R]
+        table = np.zeros((len(lens), int(blocks.max())), dtype=np.int32)
+        table[np.arange(table.shape[1]) < blocks[:, None]] = np.arange(int(blocks.sum()))
+        allocate_kv_caches(
+            self.model, self.attn_backend, int(blocks.sum()), bs, self.kv_cache_dtype, device
+        )
+        try:
+            common, positions = CommonAttentionMetadata.for_spans(
+                table, np.zeros(len(lens), dtype=np.int64), lens, bs, device
+            )
+            yield common, torch.from_numpy(positions).to(device)
+        finally:
+            for layer in get_attention_layers(self.model):
+                layer.kv_cache = None
 
     def idle_work(self) -> bool:
         """One piece of what an idle engine does; whether any remains: first the move of the

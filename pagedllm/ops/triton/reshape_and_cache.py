@@ -82,7 +82,7 @@ def reshape_and_cache(
     if num_tokens == 0:
         return
     _, num_kv_heads, head_size = key.shape
-    key_cache, value_cache = cache_view(kv_cache)[0], cache_view(kv_cache)[1]
+    key_cache, value_cache = cache_view(kv_cache).unbind(0)
     assert key.stride(2) == 1 and value.stride(2) == 1 and key_cache.stride(3) == 1
     _reshape_and_cache_kernel[(num_tokens,)](
         key,

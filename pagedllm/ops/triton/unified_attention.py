@@ -178,7 +178,7 @@ def unified_attention(
         return out
     block_m = max(_BLOCK_M, next_power_of_2(queries_per_kv))
     block_q = block_m // queries_per_kv
-    key_cache, value_cache = cache_view(kv_cache)[0], cache_view(kv_cache)[1]
+    key_cache, value_cache = cache_view(kv_cache).unbind(0)
     assert query.stride(2) == 1 and out.stride(2) == 1 and key_cache.stride(3) == 1
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _unified_attention_kernel[grid](
