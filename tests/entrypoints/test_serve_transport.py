@@ -1,13 +1,15 @@
 """vLLM's `serve` flags for how the server is reached and watched: --uds (a Unix socket; the
 file is gone after the server stops), --middleware (a class and a function),
 --enable-server-load-tracking (GET /load), --disable-access-log-for-endpoints,
---sse-keep-alive-interval (`_with_keep_alive`, unit-tested, and live) and --stream-interval."""
+--sse-keep-alive-interval (`_with_keep_alive`, unit-tested, and live) and --stream-interval;
+and the TCP socket's connections sending small writes at once (Nagle's algorithm off)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -17,7 +19,7 @@ import httpx
 import pytest
 
 from pagedllm.benchmarks.server_process import stop_process
-from pagedllm.entrypoints.openai.api_server import _with_keep_alive
+from pagedllm.entrypoints.openai.api_server import _with_keep_alive, create_server_socket
 from tests.entrypoints.conftest import REPO_ROOT
 
 MODEL = "tiny"
@@ -143,3 +145,33 @@ def test_keep_alive_comments_while_a_stream_is_idle():
     closed.clear()
     assert asyncio.run(collect(limit=2)) == [": keep-alive\n\n"] * 2
     assert closed == [True]  # the pending event was cancelled and the source closed
+
+
+def test_tcp_connections_send_small_writes_at_once():
+    """The connections accepted on `create_server_socket`'s socket, served by asyncio as
+    uvicorn serves them (`create_server(sock=...)`), have Nagle's algorithm off: with it on, a
+    stream's first chunk waited for the client's delayed ACK of the response headers. asyncio
+    sets TCP_NODELAY only where the socket's protocol number says TCP, which a socket made
+    with the default protocol 0 (and every connection it accepts) does not."""
+
+    async def accepted_nodelay() -> int:
+        sock = create_server_socket("127.0.0.1", 0)
+        found: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            conn = writer.get_extra_info("socket")
+            found.set_result(conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(on_connect, sock=sock)
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+            try:
+                return await asyncio.wait_for(found, 10)
+            finally:
+                writer.close()
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    assert asyncio.run(accepted_nodelay()) != 0
