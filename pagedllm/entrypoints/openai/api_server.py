@@ -551,7 +551,8 @@ def create_server_socket(host: str | None, port: int, uds: str | None = None) ->
     # IPPROTO_TCP, not the default 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only
     # on connections whose socket says TCP, and accepted connections inherit the listening
     # socket's protocol number. With Nagle on, a stream's first chunk waited for the client's
-    # delayed ACK of the response headers: ~15-25 ms on every streamed TTFT (BENCHMARKS.md).
+    # delayed ACK of the response headers: 20 ms more TTFT for a client that delays it
+    # (BENCHMARKS.md).
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
