@@ -233,10 +233,10 @@ class ModelRunner:
         blocks = -(-lens // bs)  # [R]
         table = np.zeros((len(lens), int(blocks.max())), dtype=np.int32)
         table[np.arange(table.shape[1]) < blocks[:, None]] = np.arange(int(blocks.sum()))
-        allocate_kv_caches(
-            self.model, self.attn_backend, int(blocks.sum()), bs, self.kv_cache_dtype, device
-        )
         try:
+            allocate_kv_caches(
+                self.model, self.attn_backend, int(blocks.sum()), bs, self.kv_cache_dtype, device
+            )
             common, positions = CommonAttentionMetadata.for_spans(
                 table, np.zeros(len(lens), dtype=np.int64), lens, bs, device
             )

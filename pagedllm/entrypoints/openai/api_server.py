@@ -555,7 +555,6 @@ def create_server_socket(host: str | None, port: int, uds: str | None = None) ->
     # (BENCHMARKS.md).
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))
     except (OSError, OverflowError) as e:  # OverflowError: a port outside 0-65535
